@@ -1,0 +1,140 @@
+"""Tuned-config lookup from ``autotune_cache/<arch>.json`` (schema in DESIGN.md).
+
+Lookup order for (family, tuning key, dtype, size): exact size bucket -> nearest
+bucket (in log2 distance) -> the family default. A user overlay
+(``<user cache dir>/<arch>.json``) wins over the packaged file entry by entry.
+Entries tuned on another template source (hash mismatch) are ignored with one
+warning; an unreadable or corrupt file gives one warning and the defaults.
+Each file is read once per process and each key resolved once: after the first
+lookup of a key, selection is a dict hit with no file I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from .atomic import write_text_atomic
+from .families import get_family
+from .family import Config, KernelFamily
+from .render import template_hash, user_cache_dir
+
+SCHEMA_VERSION = 1
+_CACHE_PACKAGE = "kernel_factory.autotune_cache"
+_selected: dict[tuple, Config] = {}
+_warned: set[tuple] = set()
+
+
+def size_bucket(numel: int) -> int:
+    """Next power of two of the work per launch (elements), at least 1."""
+    return 1 << max(0, int(numel) - 1).bit_length()
+
+
+def packaged_cache_path(arch: str) -> Path:
+    return Path(str(resources.files(_CACHE_PACKAGE).joinpath(f"{arch}.json")))
+
+
+def overlay_cache_path(arch: str) -> Path:
+    return user_cache_dir() / f"{arch}.json"
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _read(path: Path, arch: str) -> list[dict]:
+    """Entries of one cache file whose template hash is current; [] if absent or unreadable."""
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("schema") != SCHEMA_VERSION:
+            raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA_VERSION}")
+        entries, hashes = data["entries"], data["template_hashes"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        _warn_once(("corrupt", str(path)), f"kernel_factory: ignoring tuning cache {path}: {exc}")
+        return []
+    fresh = []
+    for entry in entries:
+        family = entry.get("family")
+        try:
+            current = template_hash(get_family(family))
+        except KeyError:
+            continue
+        if hashes.get(family) != current:
+            _warn_once(
+                ("stale", str(path), family),
+                f"kernel_factory: {path} was tuned on another version of the {family!r} "
+                f"template; its entries are ignored (re-tune with `nox -s tune -- --arch {arch}`)",
+            )
+            continue
+        fresh.append(entry)
+    return fresh
+
+
+@lru_cache(maxsize=None)
+def load_entries(arch: str) -> tuple[dict, ...]:
+    """All usable entries for ``arch``: overlay entries replace packaged ones with the same key."""
+    merged: dict[tuple, dict] = {}
+    for path in (packaged_cache_path(arch), overlay_cache_path(arch)):
+        for e in _read(path, arch):
+            merged[(e["family"], e["variant"], e["dtype"], int(e["bucket"]))] = e
+    return tuple(merged.values())
+
+
+def clear() -> None:
+    """Forget everything read or selected (tests, and the tuner after it writes a file)."""
+    load_entries.cache_clear()
+    _selected.clear()
+    _warned.clear()
+
+
+def select(
+    family: KernelFamily | str,
+    arch: str,
+    variant: Mapping[str, object],
+    dtype: str,
+    numel: int,
+) -> Config:
+    """The config to launch ``family``'s ``variant`` with for ``numel`` elements of ``dtype`` on ``arch``."""
+    family = get_family(family) if isinstance(family, str) else family
+    tkey = family.tuning_key(variant)
+    bucket = size_bucket(numel)
+    key = (family.name, arch, tkey, dtype, bucket)
+    config = _selected.get(key)
+    if config is not None:
+        return config
+    candidates = [
+        e
+        for e in load_entries(arch)
+        if e["family"] == family.name and e["variant"] == tkey and e["dtype"] == dtype
+    ]
+    config = None
+    if candidates:
+        best = min(candidates, key=lambda e: abs(math.log2(int(e["bucket"])) - math.log2(bucket)))
+        try:
+            config = family.check_config(best["config"])
+        except (ValueError, TypeError) as exc:
+            _warn_once(("illegal", arch, family.name), f"kernel_factory: cached config ignored: {exc}")
+    if config is None and arch != "cpu":  # nothing is tuned for the interpreter
+        _warn_once(
+            ("default", arch, family.name),
+            f"kernel_factory: no tuned {family.name!r} config for {arch}; using the family default "
+            f"{dict(family.default_config)} (tune with `nox -s tune -- --arch {arch}`)",
+        )
+    if config is None:
+        config = family.default_config
+    _selected[key] = config
+    return config
+
+
+def write_cache_file(path: Path, data: dict) -> None:
+    """Write a cache file atomically (temp file + rename) as sorted-key, indented JSON."""
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

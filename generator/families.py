@@ -1,0 +1,53 @@
+"""The registry of kernel families: what the factory can manufacture."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .family import KernelFamily, Tunable
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _adamw_is_legal(c: Mapping[str, int]) -> bool:
+    # A program walks CHUNK elements in BLOCK-sized steps; each thread holds
+    # BLOCK / (32 * num_warps) elements of five streams, which must be >= 1 and
+    # small enough not to spill (16 fp32 elements x 5 streams = 80 registers).
+    per_thread = c["BLOCK"] // (32 * c["num_warps"])
+    return c["CHUNK"] % c["BLOCK"] == 0 and 1 <= per_thread <= 16
+
+
+ADAMW = KernelFamily(
+    name="adamw",
+    template="adamw.py.j2",
+    description="fused Adam / AdamW step (fp32 math), multi-tensor pointer table or one tensor",
+    axes={
+        # The interpreter cannot load through pointers read from memory, so the
+        # single-tensor variant exists for CPU tests and misaligned tensors.
+        "multi_tensor": (True, False),
+        "param_dtype": _FLOAT_DTYPES,
+        "state_dtype": _FLOAT_DTYPES,
+        "decoupled": (True, False),  # AdamW (decoupled decay) or Adam (L2 decay)
+        "amsgrad": (False, True),
+        "maximize": (False, True),
+        "grad_scaling": (False, True),  # in-kernel unscale and skip-on-inf
+    },
+    tuning_axes=("multi_tensor", "state_dtype", "amsgrad"),
+    tunables=(
+        Tunable("BLOCK", 1024, (256, 512, 1024, 2048, 4096)),
+        Tunable("CHUNK", 16384, (2048, 4096, 8192, 16384, 32768, 65536)),
+        Tunable("num_warps", 4, (1, 2, 4, 8, 16)),
+        Tunable("num_stages", 1, (1, 2, 3)),
+    ),
+    is_legal=_adamw_is_legal,
+)
+
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW,)}
+
+
+def get_family(name: str) -> KernelFamily:
+    """Look up a family by name; unknown names raise KeyError listing the known ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown kernel family {name!r}; known: {sorted(FAMILIES)}") from None

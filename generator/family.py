@@ -1,0 +1,98 @@
+"""Kernel families as data.
+
+A family names a Jinja template, the structural axes the template branches on
+(each rendered combination is a *variant*), and the tunable parameters that
+stay ``tl.constexpr`` or launch parameters, so one rendered source serves every
+tuned config. One predicate per family says which configs are legal; the same
+predicate prunes the tuner's search space and guards the runtime fallback.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+Config = Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """One tunable parameter: its name as the kernel or launcher takes it,
+    the default, and the legal values the tuner may pick from."""
+
+    name: str
+    default: int
+    choices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.default not in self.choices:
+            raise ValueError(f"tunable {self.name}: default {self.default} not in {self.choices}")
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """A template plus its axes and tunables.
+
+    ``axes`` maps each structural axis to its allowed values (the first is the
+    default). ``tuning_axes`` names the axes that change the memory traffic or
+    the loop structure enough to deserve their own tuned config; the others
+    (e.g. ``maximize``) share the config of the variant they differ from.
+    ``is_legal(config)`` is the single legality predicate.
+    """
+
+    name: str
+    template: str
+    axes: Mapping[str, tuple]
+    tunables: tuple[Tunable, ...]
+    is_legal: Callable[[Config], bool]
+    tuning_axes: tuple[str, ...] = ()
+    description: str = ""
+    _default: Config = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axes", MappingProxyType(dict(self.axes)))
+        default = MappingProxyType({t.name: t.default for t in self.tunables})
+        if not self.is_legal(default):
+            raise ValueError(f"family {self.name}: its default config {dict(default)} is illegal")
+        object.__setattr__(self, "_default", default)
+        unknown = set(self.tuning_axes) - set(self.axes)
+        if unknown:
+            raise ValueError(f"family {self.name}: tuning_axes {sorted(unknown)} are not axes")
+
+    @property
+    def default_config(self) -> Config:
+        return self._default
+
+    def variant(self, **values) -> Mapping[str, object]:
+        """Complete and check a structural variant: unknown axes or values raise ValueError."""
+        unknown = set(values) - set(self.axes)
+        if unknown:
+            raise ValueError(f"family {self.name}: unknown axes {sorted(unknown)}; known: {sorted(self.axes)}")
+        out = {}
+        for axis, allowed in self.axes.items():
+            value = values.get(axis, allowed[0])
+            if value not in allowed:
+                raise ValueError(f"family {self.name}: axis {axis}={value!r} not in {allowed}")
+            out[axis] = value
+        return MappingProxyType(out)
+
+    def tuning_key(self, variant: Mapping[str, object]) -> str:
+        """The part of a variant that the cache keys on, as a stable string."""
+        return ",".join(f"{a}={variant[a]}" for a in self.tuning_axes)
+
+    def search_space(self) -> list[Config]:
+        """Every legal config, in a stable order (the tuner samples from these)."""
+        names = [t.name for t in self.tunables]
+        combos = itertools.product(*(t.choices for t in self.tunables))
+        return [c for c in (dict(zip(names, v, strict=True)) for v in combos) if self.is_legal(c)]
+
+    def check_config(self, config: Mapping[str, int]) -> Config:
+        """Return ``config`` as a read-only mapping, or raise ValueError if it is not legal."""
+        names = {t.name for t in self.tunables}
+        if set(config) != names:
+            raise ValueError(f"family {self.name}: config keys {sorted(config)} != {sorted(names)}")
+        if not self.is_legal(config):
+            raise ValueError(f"family {self.name}: illegal config {dict(config)}")
+        return MappingProxyType(dict(config))

@@ -1,0 +1,352 @@
+"""Launch plans for the fused Adam/AdamW step.
+
+A plan is built once per param group (again only when the set of parameters
+with gradients changes, or after ``load_state_dict``). It splits the group's
+tensors into buckets by where they can run:
+
+- ``TritonMultiTensor``: CUDA, 16-byte aligned, contiguous: one launch for the
+  bucket through pointer tables built at plan time; only the grad table is
+  re-uploaded, and only when the gradients' addresses change.
+- ``TritonSingleTensor``: the interpreter on CPU (it cannot read pointer
+  tables) and CUDA tensors that are not 16-byte aligned: one launch per tensor.
+- ``TorchFused``: CPU tensors under ``auto``: torch's fused CPU kernel, so the
+  result is bitwise that of ``torch.optim.AdamW(fused=True)``.
+- ``Reference``: the pure PyTorch path (``KERNEL_FACTORY_BACKEND=torch``, fp64,
+  non-contiguous parameters, no Triton).
+
+Each bucket keeps its step counts in one float32 buffer; ``state['step']`` of
+each parameter is a 0-d view into it, so state_dict keeps torch's layout.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as torch_functional_adam
+
+from kernel_factory.generator import (
+    ADAMW,
+    backend_mode,
+    detect_arch,
+    interpreter_enabled,
+    load,
+    select,
+    triton_available,
+)
+
+from .checks import check_param_grad
+from .reference import adam_reference_step
+
+TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
+
+
+class Hyper:
+    """One group's hyperparameters for this step, as the kernels take them."""
+
+    __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize")
+
+    def __init__(self, group: dict) -> None:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        self.lr = group["lr"]
+        self.beta1, self.beta2 = beta1, beta2
+        self.eps = float(group["eps"])
+        self.weight_decay = float(group["weight_decay"])
+        self.decoupled = bool(group["decoupled_weight_decay"])
+        self.amsgrad = bool(group["amsgrad"])
+        self.maximize = bool(group["maximize"])
+
+    def kernel_scalars(self) -> tuple[float, ...]:
+        """beta1, beta2, 1-beta1, 1-beta2, log2 beta1 and log2 beta2 (each as an fp32 pair
+        hi + lo), eps, weight_decay: computed in double so the kernel's copies are exact."""
+        b1, b2 = self.beta1, self.beta2
+        return (b1, b2, 1.0 - b1, 1.0 - b2, *_log2_pair(b1), *_log2_pair(b2), self.eps,
+                self.weight_decay)  # fmt: skip
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _log2_pair(beta: float) -> tuple[float, float]:
+    """log2(beta) split into fp32 hi and lo with hi + lo == log2(beta) to ~1e-14 (b^t = 0 for
+    beta = 0: hi = -inf)."""
+    if beta <= 0:
+        return -math.inf, 0.0
+    x = math.log2(beta)
+    hi = _fp32(x)
+    return hi, x - hi
+
+
+class Bucket:
+    """Tensors of one group that run the same way on one device: params and their state."""
+
+    def __init__(self, params: list[Tensor], states: list[dict], amsgrad: bool) -> None:
+        self.params = params
+        self.device = params[0].device
+        self.exp_avgs = [s["exp_avg"] for s in states]
+        self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        self.max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if amsgrad else []
+        # One buffer of step counts; state['step'] becomes a view of it (no host sync here).
+        self.steps = torch.stack(
+            [s["step"].detach().reshape(()).to(self.device, torch.float32) for s in states]
+        )
+        for i, s in enumerate(states):
+            s["step"] = self.steps[i]
+        self._states = states
+
+    def step_views(self) -> list[Tensor]:
+        return [s["step"] for s in self._states]
+
+    def grads(self) -> list[Tensor]:
+        grads = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            check_param_grad(i, p, g)
+            grads.append(g)
+        return grads
+
+    def run(self, h: Hyper, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        raise NotImplementedError
+
+
+class Reference(Bucket):
+    def run(self, h, grad_scale, found_inf):
+        adam_reference_step(
+            self.params, self.grads(), self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs,
+            self.step_views(),
+            lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+            decoupled=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
+            grad_scale=grad_scale, found_inf=found_inf,
+        )  # fmt: skip
+
+
+class TorchFused(Bucket):
+    """torch's own fused CPU kernel (what torch.optim.AdamW(fused=True) runs on CPU)."""
+
+    def run(self, h, grad_scale, found_inf):
+        torch_functional_adam(
+            self.params, self.grads(), self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs,
+            self.step_views(),
+            foreach=False, capturable=False, differentiable=False, fused=True,
+            grad_scale=grad_scale, found_inf=found_inf, has_complex=False,
+            decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad, beta1=h.beta1, beta2=h.beta2,
+            lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=h.maximize,
+        )  # fmt: skip
+
+
+class _TritonBucket(Bucket):
+    """What both Triton buckets share: variant selection, the lr buffer, counters."""
+
+    multi_tensor: bool
+
+    def __init__(self, params, states, amsgrad, decoupled, maximize, state_dtype) -> None:
+        super().__init__(params, states, amsgrad)
+        self._variant = dict(
+            multi_tensor=self.multi_tensor,
+            param_dtype=TRITON_DTYPES[params[0].dtype],
+            state_dtype=TRITON_DTYPES[state_dtype],
+            decoupled=decoupled,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+        self._kernels: dict[bool, Callable] = {}
+        self.done = torch.zeros(len(params), dtype=torch.int32, device=self.device)
+        self._lr = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._lr_value: float | None = None
+        arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
+        total = sum(p.numel() for p in params)
+        self.config = dict(select(ADAMW, arch, ADAMW.variant(**self._variant, grad_scaling=False),
+                                  self._variant["param_dtype"], total))  # fmt: skip
+        self.chunk = self.config["CHUNK"]
+
+    def configure(self, config) -> None:
+        """Launch with ``config`` from now on (benchmarks and the tuner try configs this way)."""
+        self.config = dict(ADAMW.check_config(config))
+        self.chunk = self.config["CHUNK"]
+
+    def kernel(self, grad_scaling: bool) -> Callable:
+        k = self._kernels.get(grad_scaling)
+        if k is None:
+            variant = ADAMW.variant(**self._variant, grad_scaling=grad_scaling)
+            k = self._kernels[grad_scaling] = load(ADAMW, variant).adam_kernel
+        return k
+
+    def lr_tensor(self, lr: float | Tensor) -> Tensor:
+        """A device tensor holding lr: the group's own when it is one on this device, else a
+        buffer refilled only when a scheduler changes the float (no recompile, no sync)."""
+        if isinstance(lr, Tensor):
+            if lr.device == self.device:
+                return lr
+            lr = float(lr)  # a CPU tensor: reading it does not synchronise
+        if lr != self._lr_value:
+            self._lr.fill_(lr)
+            self._lr_value = lr
+        return self._lr
+
+    def scaler_args(self, grad_scale, found_inf) -> tuple[Tensor, Tensor]:
+        if grad_scale is None and found_inf is None:
+            return self.steps, self.steps  # unused placeholders
+        if grad_scale is None:
+            grad_scale = torch.ones((), device=self.device)
+        if found_inf is None:
+            found_inf = torch.zeros((), device=self.device)
+        return grad_scale.to(self.device), found_inf.to(self.device)
+
+
+class TritonSingleTensor(_TritonBucket):
+    multi_tensor = False
+
+    def run(self, h, grad_scale, found_inf):
+        kernel = self.kernel(grad_scale is not None or found_inf is not None)
+        lr = self.lr_tensor(h.lr)
+        gs, fi = self.scaler_args(grad_scale, found_inf)
+        scalars = h.kernel_scalars()
+        for i, (p, g) in enumerate(zip(self.params, self.grads(), strict=True)):
+            vmax = self.max_exp_avg_sqs[i] if h.amsgrad else self.exp_avg_sqs[i]
+            n = p.numel()
+            kernel[(triton_cdiv(n, self.chunk),)](
+                p, g.contiguous(), self.exp_avgs[i], self.exp_avg_sqs[i], vmax, n,
+                self.steps[i], self.done[i], lr, gs, fi, *scalars, **self.config,
+            )  # fmt: skip
+
+
+class TritonMultiTensor(_TritonBucket):
+    multi_tensor = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        dev = self.device
+        as_table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)  # noqa: E731
+        self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
+        self.numel = self._numels.to(dev)
+        self.configure(self.config)
+        self.param_table = as_table(self.params)
+        self.exp_avg_table = as_table(self.exp_avgs)
+        self.exp_avg_sq_table = as_table(self.exp_avg_sqs)
+        self.max_table = as_table(self.max_exp_avg_sqs) if self.max_exp_avg_sqs else self.exp_avg_sq_table
+        self._grad_ptrs: list[int] | None = None
+        self._grad_table: Tensor | None = None
+        self._grad_keep: list[Tensor] = []
+
+    def configure(self, config) -> None:
+        super().configure(config)
+        nchunks = (self._numels + self.chunk - 1) // self.chunk
+        # Work list: program i updates chunk work[i, 1] of tensor work[i, 0].
+        tensor_of = torch.repeat_interleave(torch.arange(len(self.params)), nchunks)
+        first = torch.cumsum(nchunks, 0) - nchunks
+        chunk_of = torch.arange(int(nchunks.sum())) - torch.repeat_interleave(first, nchunks)
+        self.work = torch.stack([tensor_of, chunk_of], 1).to(torch.int32).contiguous().to(self.device)
+        self.n_work = self.work.shape[0]
+        self.nchunks = nchunks.to(torch.int32).to(self.device)
+
+    def _upload_grads(self, ptrs: list[int]) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "gradient addresses changed while a CUDA graph is being captured: run a few "
+                "eager steps (warm-up) with the same static gradients before capturing"
+            )
+        grads = self.grads()
+        keep = [g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.contiguous().clone()
+                for g in grads]  # fmt: skip
+        table = torch.tensor([g.data_ptr() for g in keep], dtype=torch.int64).pin_memory()
+        self._grad_table = table.to(self.device, non_blocking=True)
+        copied = any(k is not g for k, g in zip(keep, grads, strict=True))
+        # A copied grad holds this step's values only: never reuse its table.
+        self._grad_ptrs = None if copied else ptrs
+        self._grad_keep = keep if copied else []
+
+    def run(self, h, grad_scale, found_inf):
+        ptrs = [p.grad.data_ptr() for p in self.params]
+        if ptrs != self._grad_ptrs:
+            self._upload_grads(ptrs)
+        kernel = self.kernel(grad_scale is not None or found_inf is not None)
+        gs, fi = self.scaler_args(grad_scale, found_inf)
+        kernel[(self.n_work,)](
+            self.work, self.numel, self.nchunks, self.param_table, self._grad_table,
+            self.exp_avg_table, self.exp_avg_sq_table, self.max_table, self.steps, self.done,
+            self.lr_tensor(h.lr), gs, fi, *h.kernel_scalars(), **self.config,
+        )  # fmt: skip
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _bucket_kind(p: Tensor, state_dtype: torch.dtype, mode: str) -> type[Bucket]:
+    if mode == "torch":
+        return Reference
+    if not p.is_contiguous():
+        _warn_once("kernel_factory: non-contiguous parameters take the (slower) PyTorch reference path")
+        return Reference
+    triton_ok = p.dtype in TRITON_DTYPES and state_dtype in TRITON_DTYPES and p.numel() > 0
+    if p.device.type == "cpu":
+        if mode == "auto":
+            return TorchFused if state_dtype == p.dtype else Reference
+        if not interpreter_enabled():
+            raise RuntimeError(
+                "KERNEL_FACTORY_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1 set "
+                "before triton is imported (or use CUDA tensors)"
+            )
+        return TritonSingleTensor if triton_ok else Reference
+    if p.device.type != "cuda" or not triton_ok:
+        return Reference
+    if not triton_available():
+        _warn_once("kernel_factory: triton is not installed; CUDA tensors take the PyTorch reference path")
+        return Reference
+    return TritonMultiTensor if p.data_ptr() % 16 == 0 else TritonSingleTensor
+
+
+def _init_state(p: Tensor, state: dict, amsgrad: bool, state_dtype: torch.dtype) -> None:
+    """Lazily create (or, after a checkpoint load, normalise) one parameter's state."""
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    for key in keys:
+        t = state.get(key)
+        if t is None:
+            state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
+        elif t.dtype != state_dtype or t.device != p.device or not t.is_contiguous():
+            state[key] = t.to(device=p.device, dtype=state_dtype).contiguous()
+
+
+class AdamGroupPlan:
+    """How one param group steps: its buckets, built from the params that have grads."""
+
+    def __init__(self, key: tuple, params: list[Tensor], state: dict, group: dict,
+                 backend: str | None = None) -> None:  # fmt: skip
+        """``backend`` overrides KERNEL_FACTORY_BACKEND (auto | triton | torch)."""
+        self.key = key
+        mode = backend or backend_mode()
+        amsgrad = bool(group["amsgrad"])
+        fp32_state = group.get("state_dtype") == "fp32"
+        kinds: dict[tuple, list[Tensor]] = {}
+        for p in params:
+            sd = torch.float32 if fp32_state and p.dtype in TRITON_DTYPES else p.dtype
+            _init_state(p, state[p], amsgrad, sd)
+            kinds.setdefault((_bucket_kind(p, sd, mode), p.device, p.dtype, sd), []).append(p)
+        self.buckets: list[Bucket] = []
+        for (kind, _, _, sd), ps in kinds.items():
+            states = [state[p] for p in ps]
+            if issubclass(kind, _TritonBucket):
+                bucket = kind(ps, states, amsgrad, bool(group["decoupled_weight_decay"]),
+                              bool(group["maximize"]), sd)  # fmt: skip
+            else:
+                bucket = kind(ps, states, amsgrad)
+            self.buckets.append(bucket)
+
+    def run(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        h = Hyper(group)
+        for bucket in self.buckets:
+            bucket.run(h, grad_scale, found_inf)

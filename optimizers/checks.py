@@ -1,0 +1,89 @@
+"""Argument checks shared by the optimizers, with torch.optim's error types and wording."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_STATE_DTYPES = {
+    None: None,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    torch.float32: torch.float32,
+}
+
+
+def check_lr(lr: float | Tensor) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not lr.is_floating_point():
+            raise TypeError(f"Tensor lr must be floating point, got {lr.dtype}")
+        if lr.device.type == "cpu" and not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        return
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        raise TypeError(f"lr must be a float or a 1-element Tensor, got {type(lr).__name__}")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_adam_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    """The checks torch.optim.Adam makes, with the same ValueError messages."""
+    check_lr(lr)
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, Tensor):
+            if beta.numel() != 1 or beta.device.type != "cpu":
+                raise ValueError(f"Tensor beta at index {i} must be a 1-element CPU tensor")
+            beta = float(beta)
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_implementation_flags(*, foreach, fused, capturable, differentiable) -> None:
+    """``foreach``/``fused`` are accepted for drop-in compatibility (this optimizer always
+    fuses); their types and the torch rule that they exclude each other are checked."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be None or a bool, got {value!r}")
+    if not isinstance(capturable, bool):
+        raise TypeError(f"capturable must be a bool, got {capturable!r}")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if differentiable:
+        raise ValueError(
+            "differentiable=True is not supported: the fused kernels update parameters in place "
+            "outside autograd; use torch.optim.AdamW(differentiable=True) for that"
+        )
+
+
+def resolve_state_dtype(state_dtype) -> torch.dtype | None:
+    """``None`` keeps torch's convention (state in the parameter dtype); ``"fp32"`` or
+    ``torch.float32`` keeps fp32 state for bf16/fp16 parameters."""
+    try:
+        return _STATE_DTYPES[state_dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"state_dtype must be None, 'fp32' or torch.float32, got {state_dtype!r}") from None
+
+
+def check_param_grad(index: int, p: Tensor, g: Tensor) -> None:
+    """Reject what the fused kernels cannot update correctly, naming the parameter."""
+    where = f"parameter {index} (shape {tuple(p.shape)}, {p.dtype})"
+    if g.is_sparse or p.is_sparse:
+        raise RuntimeError(f"{where}: sparse gradients are not supported; use torch.optim.SparseAdam")
+    if p.is_complex() or g.is_complex():
+        raise TypeError(f"{where}: complex parameters are not supported; use torch.view_as_real")
+    if not p.is_floating_point():
+        raise TypeError(f"{where}: only floating point parameters can be optimized")
+    if g.shape != p.shape:
+        raise ValueError(f"{where}: grad shape {tuple(g.shape)} does not match the parameter")
+    if g.dtype != p.dtype:
+        raise TypeError(f"{where}: grad dtype {g.dtype} does not match the parameter dtype")
+    if g.device != p.device:
+        raise ValueError(f"{where}: grad is on {g.device}, the parameter on {p.device}")

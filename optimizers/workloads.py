@@ -1,0 +1,43 @@
+"""Parameter shape sets used by parity, benchmarks and tuning (DESIGN.md, "Measuring")."""
+
+from __future__ import annotations
+
+import torch
+
+
+def llama_param_shapes(
+    dim: int = 768, layers: int = 12, ffn: int = 2048, vocab: int = 32000
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a Llama-style decoder: 134.2M parameters in 111 tensors by default,
+    84 of them hidden matrices (q, k, v, o, gate, up, down per layer)."""
+    shapes = [("embed_tokens.weight", (vocab, dim))]
+    for i in range(layers):
+        pre = f"layers.{i}."
+        shapes += [(pre + f"self_attn.{n}_proj.weight", (dim, dim)) for n in "qkvo"]
+        shapes += [(pre + "mlp.gate_proj.weight", (ffn, dim)), (pre + "mlp.up_proj.weight", (ffn, dim)),
+                   (pre + "mlp.down_proj.weight", (dim, ffn))]  # fmt: skip
+        shapes += [(pre + "input_layernorm.weight", (dim,)), (pre + "post_attention_layernorm.weight", (dim,))]
+    shapes += [("norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
+    return shapes
+
+
+SHAPE_SETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
+    # Odd sizes, a scalar-like tensor and a 3-D one: tails, masks, tiny launches.
+    "small": [("one", (1,)), ("seven", (7,)), ("thousand", (1000,)), ("cube", (3, 4, 5)),
+              ("matrix", (33, 65))],  # fmt: skip
+    "single_4096x1024": [("weight", (4096, 1024))],
+    "llama134m": llama_param_shapes(),
+}
+
+
+class ShapeModel(torch.nn.Module):
+    """A module holding one parameter per (name, shape), initialised N(0, 0.02)."""
+
+    def __init__(self, shapes, dtype=torch.float32, device="cpu", seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.names = [name for name, _ in shapes]
+        self.params = torch.nn.ParameterList(
+            torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=dtype))
+            for _, shape in shapes
+        )
