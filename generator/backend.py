@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from functools import lru_cache
+from functools import cache
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -22,7 +22,7 @@ def backend_mode() -> str:
     return mode
 
 
-@lru_cache(maxsize=None)
+@cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

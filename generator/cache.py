@@ -15,7 +15,7 @@ import json
 import math
 import warnings
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -79,7 +79,7 @@ def _read(path: Path, arch: str) -> list[dict]:
     return fresh
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_entries(arch: str) -> tuple[dict, ...]:
     """All usable entries for ``arch``: overlay entries replace packaged ones with the same key."""
     merged: dict[tuple, dict] = {}

@@ -31,7 +31,7 @@ class Tunable:
             raise ValueError(f"tunable {self.name}: default {self.default} not in {self.choices}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # families are singletons: identity equality and hash
 class KernelFamily:
     """A template plus its axes and tunables.
 

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
@@ -42,13 +42,13 @@ def template_source(family: KernelFamily) -> str:
     return resources.files(_TEMPLATE_PACKAGE).joinpath(family.template).read_text(encoding="utf-8")
 
 
-@lru_cache(maxsize=None)
+@cache
 def template_hash(family: KernelFamily) -> str:
     """sha256 of the family's template source: a cache entry tuned on another source is stale."""
     return hashlib.sha256(template_source(family).encode()).hexdigest()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _environment() -> jinja2.Environment:
     # StrictUndefined: a missing axis is an error at render time, never an empty string.
     return jinja2.Environment(

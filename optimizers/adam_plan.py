@@ -237,8 +237,12 @@ class TritonMultiTensor(_TritonBucket):
         self.exp_avg_sq_table = as_table(self.exp_avg_sqs)
         self.max_table = as_table(self.max_exp_avg_sqs) if self.max_exp_avg_sqs else self.exp_avg_sq_table
         self._grad_ptrs: list[int] | None = None
-        self._grad_table: Tensor | None = None
         self._grad_keep: list[Tensor] = []
+        # Grad addresses go host -> device through one pinned buffer; the event says when
+        # the last copy out of it finished, so it is never rewritten under a pending copy.
+        self._grad_table = torch.empty(len(self.params), dtype=torch.int64, device=dev)
+        self._grad_host = torch.empty(len(self.params), dtype=torch.int64, pin_memory=True)
+        self._grad_copied = torch.cuda.Event()
 
     def configure(self, config) -> None:
         super().configure(config)
@@ -260,8 +264,10 @@ class TritonMultiTensor(_TritonBucket):
         grads = self.grads()
         keep = [g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.contiguous().clone()
                 for g in grads]  # fmt: skip
-        table = torch.tensor([g.data_ptr() for g in keep], dtype=torch.int64).pin_memory()
-        self._grad_table = table.to(self.device, non_blocking=True)
+        self._grad_copied.synchronize()  # the previous upload (long done in practice)
+        self._grad_host.copy_(torch.tensor([g.data_ptr() for g in keep], dtype=torch.int64))
+        self._grad_table.copy_(self._grad_host, non_blocking=True)
+        self._grad_copied.record()
         copied = any(k is not g for k, g in zip(keep, grads, strict=True))
         # A copied grad holds this step's values only: never reuse its table.
         self._grad_ptrs = None if copied else ptrs

@@ -9,6 +9,8 @@ follows torch's fused Adam. No host synchronisation: a step skipped because of
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -40,7 +42,7 @@ def adam_reference_step(
     """
     for i, p in enumerate(params):
         math_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        f = lambda t: t.to(math_dtype)  # noqa: E731
+        f = partial(Tensor.to, dtype=math_dtype)
         g = f(grads[i])
         if grad_scale is not None:
             g = g * (1.0 / f(grad_scale))

@@ -18,10 +18,14 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-# Normwise relative tolerance per parameter dtype: fp32 rounding differs from torch's CUDA
-# kernel by a few ulps per step (~1e-7); bf16/fp16 storage rounds each step to 8/11 bits,
-# so one flipped rounding is 4e-3 / 5e-4 of an element, far less normwise.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# Normwise relative tolerance per parameter dtype. The fp32 oracle is torch's foreach path,
+# whose formula ours follows (measured 1.2e-7 after 10 steps). torch's fused CUDA kernel
+# rounds 1 - beta2 to fp32 (0.999 -> 1.0000467e-3), which moves exp_avg_sq by 1.3e-5 relative
+# from both foreach and us, so comparisons with it use FUSED_FP32_TOL. bf16/fp16 storage
+# rounds every step to 8/11 bits: one flipped rounding is 4e-3/5e-4 of an element.
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+FUSED_FP32_TOL = 1e-4
+ORACLE = {torch.float32: "foreach", torch.bfloat16: "fused", torch.float16: "fused"}
 MIXED = SHAPE_SETS["small"] + [("big", (4096, 1024)), ("odd", (1001, 333)), ("vec", (70001,))]
 
 
@@ -38,13 +42,16 @@ def _buckets(opt):
         (Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, maximize=True)),
     ],
 )
-def test_multi_tensor_parity_with_torch_fused(dtype, cls, ref, kwargs):
-    report = parity_check(
-        lambda: ShapeModel(MIXED, dtype=dtype, device="cuda"),
-        lambda ps, **kw: ref(ps, fused=True, **kw),
-        cls, steps=10, tol=TOL[dtype], **kwargs,
-    )  # fmt: skip
-    assert report.passed, report
+def test_multi_tensor_parity_with_torch(dtype, cls, ref, kwargs):
+    # torch's foreach path rounds bf16/fp16 between its ops; its fused path computes in fp32.
+    oracles = [(ORACLE[dtype], TOL[dtype])] + ([("fused", FUSED_FP32_TOL)] if dtype == torch.float32 else [])
+    for impl, tol in oracles:
+        report = parity_check(
+            lambda: ShapeModel(MIXED, dtype=dtype, device="cuda"),
+            lambda ps, impl=impl, **kw: ref(ps, **{impl: True}, **kw),
+            cls, steps=10, tol=tol, **kwargs,
+        )  # fmt: skip
+        assert report.passed, f"vs torch {impl}: {report}"
 
 
 def test_multi_tensor_bucket_is_one_launch_per_group():
@@ -62,24 +69,24 @@ def test_llama_list_parity_fp32_and_bf16():
     for dtype in (torch.float32, torch.bfloat16):
         report = parity_check(
             lambda dtype=dtype: ShapeModel(SHAPE_SETS["llama134m"], dtype=dtype, device="cuda"),
-            lambda ps, **kw: torch.optim.AdamW(ps, fused=True, **kw),
+            lambda ps, dtype=dtype, **kw: torch.optim.AdamW(ps, **{ORACLE[dtype]: True}, **kw),
             AdamW, steps=3, tol=TOL[dtype], lr=1e-3, weight_decay=0.01,
         )  # fmt: skip
-        assert report.passed, report
+        assert report.passed, str(report)
 
 
 def test_misaligned_tensor_takes_single_tensor_path():
     base = torch.randn(1 + 4096, device="cuda")
     p = torch.nn.Parameter(base[1:])  # 4-byte offset: not 16-byte aligned
     q = p.detach().clone().requires_grad_(True)
-    ours, theirs = AdamW([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2, fused=True)
+    ours, theirs = AdamW([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2, foreach=True)
     for _ in range(5):
         g = torch.randn(4096, device="cuda")
         p.grad, q.grad = g.clone(), g.clone()
         ours.step()
         theirs.step()
     assert isinstance(_buckets(ours)[0], TritonSingleTensor)
-    assert compare_tensors("p", "param", p, q, 1e-5).passed
+    assert compare_tensors("p", "param", p, q, TOL[torch.float32]).passed
 
 
 def test_bf16_params_with_fp32_state_match_the_reference():
@@ -87,7 +94,7 @@ def test_bf16_params_with_fp32_state_match_the_reference():
     p = torch.randn(10000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     p32 = p.detach().float().requires_grad_(True)
     ours = AdamW([p], lr=1e-2, state_dtype="fp32")
-    ref = torch.optim.AdamW([p32], lr=1e-2, fused=True)
+    ref = torch.optim.AdamW([p32], lr=1e-2, foreach=True)
     for _ in range(10):
         g = torch.randn(10000, device="cuda", dtype=torch.bfloat16)
         p.grad, p32.grad = g, g.float()
@@ -95,14 +102,15 @@ def test_bf16_params_with_fp32_state_match_the_reference():
         ref.step()
         p32.data.copy_(p.float())  # ref tracks our rounded params; states stay fp32 in both
     assert ours.state[p]["exp_avg"].dtype == torch.float32
-    assert compare_tensors("m", "exp_avg", ours.state[p]["exp_avg"], ref.state[p32]["exp_avg"], 1e-5).passed
-    assert compare_tensors("v", "exp_avg_sq", ours.state[p]["exp_avg_sq"], ref.state[p32]["exp_avg_sq"], 1e-5).passed
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert compare_tensors("p", key, ours.state[p][key], ref.state[p32][key], TOL[torch.float32]).passed, key
 
 
 def test_grad_scaler_unscales_and_skips_on_inf():
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32).cuda()
     ref_model = copy.deepcopy(model)
+    # torch's fused path is the one that takes grad_scale/found_inf the way ours does.
     ours, ref = AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
     scalers = [torch.amp.GradScaler("cuda", init_scale=1024.0) for _ in range(2)]
     for step in range(4):
@@ -118,7 +126,7 @@ def test_grad_scaler_unscales_and_skips_on_inf():
             if step == 2:
                 assert all(torch.equal(b, p) for b, p in zip(before, m.parameters(), strict=True))
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert compare_tensors("p", "param", p, q, 1e-5).passed
+        assert compare_tensors("p", "param", p, q, FUSED_FP32_TOL).passed
         assert float(ours.state[p]["step"]) == 3.0
 
 
@@ -141,7 +149,7 @@ def test_cuda_graph_capture_and_replay_with_tensor_lr_schedule():
             g.normal_()
         opt.step()  # warm-up: state init, compile, tables
     torch.cuda.current_stream().wait_stream(stream)
-    for p, q, g in zip(model.parameters(), ref_model.parameters(), static_grads, strict=True):
+    for q, g in zip(ref_model.parameters(), static_grads, strict=True):
         q.grad = g.clone()
     ref.step()
     graph = torch.cuda.CUDAGraph()
@@ -151,12 +159,14 @@ def test_cuda_graph_capture_and_replay_with_tensor_lr_schedule():
         new_lr = 1e-2 * 0.5 ** (i + 1)
         lr.fill_(new_lr)
         ref.param_groups[0]["lr"].fill_(new_lr)
-        for p, q, g in zip(model.parameters(), ref_model.parameters(), static_grads, strict=True):
+        for q, g in zip(ref_model.parameters(), static_grads, strict=True):
             g.normal_()
             q.grad = g.clone()
         graph.replay()
         ref.step()
     torch.cuda.synchronize()
+    # torch's capturable foreach path forms 1 - beta^t with fp32 tensor ops: at t=1 that loses
+    # a digit (6e-7 relative in the step size per step); measured 2.8e-6 after 6 steps.
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert compare_tensors("p", "param", p, q, 1e-5).passed
         assert float(opt.state[p]["step"]) == 6.0
@@ -190,9 +200,9 @@ def test_checkpoint_interchange_then_ten_equal_steps(direction):
         src.step()
         dst.step()
     for p, q in zip(src_model.parameters(), dst_model.parameters(), strict=True):
-        assert compare_tensors("p", "param", q, p, 1e-5).passed
+        assert compare_tensors("p", "param", q, p, TOL[torch.float32]).passed
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):
-            assert compare_tensors("p", key, dst.state[q][key], src.state[p][key], 1e-5).passed, key
+            assert compare_tensors("p", key, dst.state[q][key], src.state[p][key], TOL[torch.float32]).passed, key
 
 
 def test_float_lr_schedule_does_not_recompile():
@@ -207,7 +217,7 @@ def test_float_lr_schedule_does_not_recompile():
     for _ in range(5):
         opt.step()
         sched.step()
-    assert _buckets(opt)[0]._lr_value == pytest.approx(1e-2 * 0.5**5)
+    assert _buckets(opt)[0]._lr_value == pytest.approx(1e-2 * 0.5**4)  # the lr of the last step
     assert _compiled_count(kernel) == compiled_before == 1
 
 

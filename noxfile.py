@@ -1,0 +1,67 @@
+"""nox sessions: tests (CPU tier), tests_gpu, parity, bench, lint.
+
+Every session also runs with ``nox --no-venv`` (the GPU machine has torch and triton and no
+network): then nothing is downloaded, and the package is installed without dependencies
+only if it is not importable yet. In a virtualenv, the system's torch is reused when there
+is one (``--system-site-packages``); otherwise ``torch==2.13.0`` is pinned, which is the CPU
+wheel on the CPU machines this project's CI uses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import nox
+
+nox.options.sessions = ["lint", "tests", "parity"]
+nox.options.default_venv_backend = "venv"
+VENV = ["--system-site-packages"]
+TORCH_PIN = "torch==2.13.0"
+
+
+def _install(session: nox.Session) -> None:
+    if session.venv_backend == "none":
+        try:
+            session.run("python", "-c", "import kernel_factory.optimizers", silent=True)
+        except Exception:  # noqa: BLE001 - nox raises its own CommandFailed
+            session.run("python", "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", ".")
+        return
+    if importlib.util.find_spec("torch") is None:
+        session.install(TORCH_PIN)
+    session.install("-e", ".[dev]")
+
+
+@nox.session(venv_params=VENV)
+def tests(session: nox.Session) -> None:
+    """CPU tier: torch's CPU kernels, and the generated Triton kernels under the interpreter."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-m", "not gpu", *session.posargs,
+                env={"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+
+
+@nox.session(venv_params=VENV)
+def tests_gpu(session: nox.Session) -> None:
+    """GPU tier (-m gpu): multi-tensor kernels, bf16, graph capture, checkpoint interchange."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-m", "gpu", *session.posargs)
+
+
+@nox.session(venv_params=VENV)
+def parity(session: nox.Session) -> None:
+    """Parity matrix (optimizer x dtype x shape set); non-zero exit on any failure."""
+    _install(session)
+    session.run("python", "-m", "kernel_factory.optimizers.parity_matrix", *session.posargs)
+
+
+@nox.session(venv_params=VENV)
+def bench(session: nox.Session) -> None:
+    """AdamW vs torch foreach/fused against the HBM floor; writes benchmarks/results/."""
+    _install(session)
+    session.run("python", "benchmarks/bench_adamw.py", *session.posargs)
+
+
+@nox.session(venv_params=VENV)
+def lint(session: nox.Session) -> None:
+    if session.venv_backend != "none":
+        session.install("ruff")
+    session.run("ruff", "check", ".")

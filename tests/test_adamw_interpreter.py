@@ -1,0 +1,98 @@
+"""CPU tier, Triton backend: the generated single-tensor kernel under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernel_factory.generator import interpreter_enabled
+from kernel_factory.optimizers import Adam, AdamW, ReferenceAdamW
+from kernel_factory.optimizers.adam_plan import TritonSingleTensor
+from kernel_factory.optimizers.parity import compare_tensors, parity_check
+from kernel_factory.optimizers.workloads import SHAPE_SETS, ShapeModel
+
+pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
+
+# fp32: ours follows torch's operation order with fp64 bias corrections; measured <= 1.3e-7
+# after 20 steps, so 1e-6 (the issue's bound) has margin. fp16: storage rounds each step to
+# 11 bits; one flipped rounding is 5e-4 of an element, far less normwise.
+FP32_TOL, FP16_TOL = 1e-6, 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
+
+
+CASES = [
+    (AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.0)),
+    (AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    (AdamW, torch.optim.AdamW, dict(lr=5e-3, betas=(0.0, 0.99), maximize=True)),
+    (Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("cls,ref,kwargs", CASES)
+def test_fp32_within_1e6_of_torch_after_20_steps(cls, ref, kwargs):
+    report = parity_check(lambda: ShapeModel(SHAPE_SETS["small"]), ref, cls, steps=20, tol=FP32_TOL, **kwargs)
+    assert report.passed, str(report)
+
+
+def test_fp16_params_match_the_fp32_math_reference():
+    # torch's CPU kernel computes fp16 in half precision (eps=1e-8 underflows to 0 and it
+    # returns -inf), so the oracle is our reference, which upcasts like the kernel.
+    report = parity_check(lambda: ShapeModel(SHAPE_SETS["small"], dtype=torch.float16),
+                          ReferenceAdamW, AdamW, steps=20, tol=FP16_TOL, lr=1e-2, weight_decay=0.1)  # fmt: skip
+    assert report.passed, str(report)
+
+
+def test_param_groups_with_different_hyperparameters():
+    a = ShapeModel(SHAPE_SETS["small"])
+    b = copy.deepcopy(a)
+    spec = [dict(lr=1e-2), dict(lr=1e-3, weight_decay=0.0, amsgrad=True), dict(betas=(0.5, 0.9), eps=1e-3)]
+    groups = lambda m: [dict(params=list(m.parameters())[i::3], **kw) for i, kw in enumerate(spec)]  # noqa: E731
+    ours, theirs = AdamW(groups(a)), torch.optim.AdamW(groups(b))
+    for _ in range(20):
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    assert all(isinstance(bk, TritonSingleTensor) for plan in ours._plans.values() for bk in plan.buckets)
+    assert len(ours._plans) == 3
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert compare_tensors("p", "param", p, q, FP32_TOL).passed
+
+
+def test_grad_scaler_unscales_in_kernel_and_skips_on_inf():
+    model = torch.nn.Linear(16, 8)
+    ref = copy.deepcopy(model)
+    ours = AdamW(model.parameters(), lr=1e-2)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(4):
+        x = torch.randn(4, 16)
+        for m, opt in ((model, ours), (ref, theirs)):
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            opt.zero_grad()
+            scaler.scale(m(x).square().sum()).backward()
+            if step == 2:
+                m.weight.grad[1, 3] = float("inf")
+            before = [p.detach().clone() for p in m.parameters()]
+            scaler.step(opt)
+            if step == 2:
+                assert all(torch.equal(b, p) for b, p in zip(before, m.parameters(), strict=True))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert compare_tensors("p", "param", p, q, FP32_TOL).passed
+        assert float(ours.state[p]["step"]) == 3.0
+
+
+def test_triton_backend_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = AdamW([p])
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        opt.step()

@@ -1,0 +1,93 @@
+"""Tuned-config lookup: exact -> nearest bucket -> default; stale, corrupt, overlay."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from kernel_factory.generator import ADAMW, cache, template_hash
+
+VARIANT = ADAMW.variant()
+KEY = ADAMW.tuning_key(VARIANT)
+
+
+def _entry(bucket, block, family="adamw"):
+    return {"family": family, "variant": KEY, "dtype": "float32", "bucket": bucket,
+            "config": dict(ADAMW.default_config, BLOCK=block, CHUNK=4096)}  # fmt: skip
+
+
+def _write(path, entries, hashes=None, schema=cache.SCHEMA_VERSION):
+    data = {"schema": schema, "template_hashes": hashes or {"adamw": template_hash(ADAMW)},
+            "entries": entries}  # fmt: skip
+    cache.write_cache_file(path, data)
+
+
+@pytest.fixture
+def arch_files(tmp_path, monkeypatch):
+    """Point the packaged and the overlay file of arch 'smtest' into tmp_path."""
+    packaged, overlay = tmp_path / "pkg" / "smtest.json", tmp_path / "user" / "smtest.json"
+    monkeypatch.setattr(cache, "packaged_cache_path", lambda arch: packaged)
+    monkeypatch.setattr(cache, "overlay_cache_path", lambda arch: overlay)
+    cache.clear()
+    yield packaged, overlay
+    cache.clear()
+
+
+def test_exact_then_nearest_bucket_then_default(arch_files):
+    packaged, _ = arch_files
+    _write(packaged, [_entry(1 << 20, 256), _entry(1 << 27, 1024)])
+    assert cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20)["BLOCK"] == 256
+    assert cache.select(ADAMW, "smtest", VARIANT, "float32", (1 << 26) + 5)["BLOCK"] == 1024
+    with pytest.warns(RuntimeWarning, match="no tuned"):
+        assert cache.select(ADAMW, "smtest", VARIANT, "bfloat16", 100) == ADAMW.default_config
+
+
+def test_default_fallback_warns_once(arch_files):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (10, 1000, 10**6):
+            cache.select(ADAMW, "smtest", VARIANT, "float32", n)
+    assert sum("no tuned" in str(w.message) for w in caught) == 1
+
+
+def test_stale_template_hash_is_ignored_with_a_warning(arch_files):
+    packaged, _ = arch_files
+    _write(packaged, [_entry(1 << 20, 256)], hashes={"adamw": "0" * 64})
+    with pytest.warns(RuntimeWarning, match="another version"):
+        config = cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20)
+    assert config == ADAMW.default_config
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"schema": 999, "entries": [], "template_hashes": {}}', "[]"])
+def test_corrupt_file_warns_and_defaults(arch_files, text):
+    packaged, _ = arch_files
+    packaged.parent.mkdir(parents=True)
+    packaged.write_text(text)
+    with pytest.warns(RuntimeWarning, match="ignoring tuning cache"):
+        config = cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20)
+    assert config == ADAMW.default_config
+
+
+def test_user_overlay_wins(arch_files):
+    packaged, overlay = arch_files
+    _write(packaged, [_entry(1 << 20, 256)])
+    _write(overlay, [_entry(1 << 20, 2048)])
+    assert cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20)["BLOCK"] == 2048
+
+
+def test_no_file_io_after_first_lookup(arch_files, monkeypatch):
+    packaged, _ = arch_files
+    _write(packaged, [_entry(1 << 20, 256)])
+    first = cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20)
+    monkeypatch.setattr(cache, "_read", lambda *a: pytest.fail("file read after first lookup"))
+    assert cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20) is first
+
+
+def test_written_file_is_sorted_json(tmp_path):
+    path = tmp_path / "x.json"
+    cache.write_cache_file(path, {"b": 1, "a": {"d": 2, "c": 3}})
+    text = path.read_text()
+    assert text.index('"a"') < text.index('"b"') and json.loads(text)["a"]["c"] == 3
+    assert not list(tmp_path.glob("*.tmp"))
