@@ -138,3 +138,43 @@ def select(
 def write_cache_file(path: Path, data: dict) -> None:
     """Write a cache file atomically (temp file + rename) as sorted-key, indented JSON."""
     write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def environment() -> dict:
+    """What a tuning result was measured on (stored per file)."""
+    import torch
+    import triton
+
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def merge_entries(path: Path, arch: str, entries: list[dict]) -> None:
+    """Add or replace ``entries`` (keyed by family, variant, dtype, bucket) in the cache file at
+    ``path``, dropping entries of families whose template changed, and refresh its header."""
+    path = Path(path)
+    try:
+        old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    except ValueError:
+        old = {}
+    key = lambda e: (e["family"], e["variant"], e["dtype"], int(e["bucket"]))  # noqa: E731
+    families = {e["family"] for e in entries}
+    hashes = {f: template_hash(get_family(f)) for f in families}
+    kept = {key(e): e for e in old.get("entries", []) if old.get("template_hashes", {}).get(e["family"])
+            == template_hash(get_family(e["family"]))}  # fmt: skip
+    kept.update({key(e): e for e in entries})
+    data = {
+        "schema": SCHEMA_VERSION,
+        "arch": arch,
+        "environment": environment(),
+        "template_hashes": {**old.get("template_hashes", {}), **hashes},
+        "entries": sorted(kept.values(), key=key),
+    }
+    write_cache_file(path, data)
+    clear()
