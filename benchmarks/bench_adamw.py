@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         print("bench_adamw: no CUDA GPU here; nothing to time (interpreter timings mean nothing)")
         return 0
     bw, rows = bench(args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
-    write(bw, rows, args.out, "nox -s bench -- " + " ".join(sys.argv[1:] if argv is None else argv))
+    extra = " ".join(sys.argv[1:] if argv is None else argv)
+    write(bw, rows, args.out, "nox -s bench" + (f" -- {extra}" if extra else ""))
     return 0
 
 

@@ -91,3 +91,16 @@ def test_written_file_is_sorted_json(tmp_path):
     text = path.read_text()
     assert text.index('"a"') < text.index('"b"') and json.loads(text)["a"]["c"] == 3
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_packaged_sm90_cache_is_well_formed():
+    """The checked-in cache parses, names only legal configs, and each entry beats or equals
+    the family default it was measured against."""
+    data = json.loads(cache.packaged_cache_path("sm90").read_text())
+    assert data["schema"] == cache.SCHEMA_VERSION and data["arch"] == "sm90"
+    assert set(data["environment"]) >= {"gpu", "capability", "torch", "triton", "cuda"}
+    assert data["entries"]
+    for entry in data["entries"]:
+        ADAMW.check_config(entry["config"])
+        assert entry["p20_ms"] <= entry["p50_ms"] <= entry["p80_ms"]
+        assert entry["p50_ms"] <= entry["default_p50_ms"] * 1.01, entry  # 1%: timing noise
