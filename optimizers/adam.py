@@ -93,11 +93,6 @@ class Adam(torch.optim.Optimizer):
                     self.state[p][key] = saved[key].to(p.device, copy=True)
         self._plans = {}
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        if hasattr(self, "_plans"):
-            self._plans.pop(len(self.param_groups) - 1, None)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One fused update of every parameter that has a grad. Returns ``closure()``'s loss."""

@@ -274,6 +274,7 @@ class TritonMultiTensor(_TritonBucket):
         self._grad_keep = keep if copied else []
 
     def run(self, h, grad_scale, found_inf):
+        # Grads are validated when their addresses change (a new grad tensor), not every step.
         ptrs = [p.grad.data_ptr() for p in self.params]
         if ptrs != self._grad_ptrs:
             self._upload_grads(ptrs)
@@ -323,8 +324,10 @@ def _init_state(p: Tensor, state: dict, amsgrad: bool, state_dtype: torch.dtype)
         t = state.get(key)
         if t is None:
             state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
-        elif t.dtype != state_dtype or t.device != p.device or not t.is_contiguous():
-            state[key] = t.to(device=p.device, dtype=state_dtype).contiguous()
+        elif t.dtype != state_dtype or t.device != p.device or not t.is_contiguous() or t.data_ptr() % 16:
+            # A loaded checkpoint may hold views into shared storage: the kernels need
+            # contiguous, 16-byte aligned state of the expected dtype on the param's device.
+            state[key] = t.to(device=p.device, dtype=state_dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 class AdamGroupPlan:
@@ -355,4 +358,8 @@ class AdamGroupPlan:
     def run(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         h = Hyper(group)
         for bucket in self.buckets:
-            bucket.run(h, grad_scale, found_inf)
+            if bucket.device.type == "cuda" and bucket.device.index != torch.cuda.current_device():
+                with torch.cuda.device(bucket.device):  # Triton launches on the current device
+                    bucket.run(h, grad_scale, found_inf)
+            else:
+                bucket.run(h, grad_scale, found_inf)

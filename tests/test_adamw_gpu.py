@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from twin_training import check_scaler_parity, twin_steps
 
 from kernel_factory.optimizers import Adam, AdamW
 from kernel_factory.optimizers.adam_plan import TritonMultiTensor, TritonSingleTensor
@@ -107,27 +108,7 @@ def test_bf16_params_with_fp32_state_match_the_reference():
 
 
 def test_grad_scaler_unscales_and_skips_on_inf():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 32).cuda()
-    ref_model = copy.deepcopy(model)
-    # torch's fused path is the one that takes grad_scale/found_inf the way ours does.
-    ours, ref = AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
-    scalers = [torch.amp.GradScaler("cuda", init_scale=1024.0) for _ in range(2)]
-    for step in range(4):
-        x = torch.randn(8, 64, device="cuda")
-        for m, opt, sc in ((model, ours, scalers[0]), (ref_model, ref, scalers[1])):
-            opt.zero_grad()
-            sc.scale(m(x).square().sum()).backward()
-            if step == 2:
-                m.weight.grad[0, 0] = float("inf")
-            before = [p.detach().clone() for p in m.parameters()]
-            sc.step(opt)
-            sc.update()
-            if step == 2:
-                assert all(torch.equal(b, p) for b, p in zip(before, m.parameters(), strict=True))
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert compare_tensors("p", "param", p, q, FUSED_FP32_TOL).passed
-        assert float(ours.state[p]["step"]) == 3.0
+    check_scaler_parity(torch.nn.Linear(64, 32).cuda(), "cuda", tol=FUSED_FP32_TOL)
 
 
 def test_cuda_graph_capture_and_replay_with_tensor_lr_schedule():
@@ -193,12 +174,7 @@ def test_checkpoint_interchange_then_ten_equal_steps(direction):
     dst_model = copy.deepcopy(src_model)
     dst = second(dst_model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=True)
     dst.load_state_dict(_roundtrip(src))
-    for _ in range(10):
-        for p, q in zip(src_model.parameters(), dst_model.parameters(), strict=True):
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-        src.step()
-        dst.step()
+    twin_steps(src_model, src, dst_model, dst, 10)
     for p, q in zip(src_model.parameters(), dst_model.parameters(), strict=True):
         assert compare_tensors("p", "param", q, p, TOL[torch.float32]).passed
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from twin_training import check_scaler_parity, twin_steps
 
 from kernel_factory.generator import interpreter_enabled
 from kernel_factory.optimizers import Adam, AdamW, ReferenceAdamW
@@ -55,12 +56,7 @@ def test_param_groups_with_different_hyperparameters():
     spec = [dict(lr=1e-2), dict(lr=1e-3, weight_decay=0.0, amsgrad=True), dict(betas=(0.5, 0.9), eps=1e-3)]
     groups = lambda m: [dict(params=list(m.parameters())[i::3], **kw) for i, kw in enumerate(spec)]  # noqa: E731
     ours, theirs = AdamW(groups(a)), torch.optim.AdamW(groups(b))
-    for _ in range(20):
-        for p, q in zip(a.parameters(), b.parameters(), strict=True):
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-        ours.step()
-        theirs.step()
+    twin_steps(a, ours, b, theirs, 20)
     assert all(isinstance(bk, TritonSingleTensor) for plan in ours._plans.values() for bk in plan.buckets)
     assert len(ours._plans) == 3
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
@@ -68,25 +64,7 @@ def test_param_groups_with_different_hyperparameters():
 
 
 def test_grad_scaler_unscales_in_kernel_and_skips_on_inf():
-    model = torch.nn.Linear(16, 8)
-    ref = copy.deepcopy(model)
-    ours = AdamW(model.parameters(), lr=1e-2)
-    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    for step in range(4):
-        x = torch.randn(4, 16)
-        for m, opt in ((model, ours), (ref, theirs)):
-            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-            opt.zero_grad()
-            scaler.scale(m(x).square().sum()).backward()
-            if step == 2:
-                m.weight.grad[1, 3] = float("inf")
-            before = [p.detach().clone() for p in m.parameters()]
-            scaler.step(opt)
-            if step == 2:
-                assert all(torch.equal(b, p) for b, p in zip(before, m.parameters(), strict=True))
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        assert compare_tensors("p", "param", p, q, FP32_TOL).passed
-        assert float(ours.state[p]["step"]) == 3.0
+    check_scaler_parity(torch.nn.Linear(16, 8), "cpu", tol=FP32_TOL)
 
 
 def test_triton_backend_without_interpreter_is_a_clear_error(monkeypatch):
