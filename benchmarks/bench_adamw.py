@@ -113,7 +113,8 @@ def write(bw, rows, out: Path, command: str) -> None:
               "| vs foreach |")  # fmt: skip
     lines = [
         f"AdamW step on {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
-        f"{bw:.3f} TB/s measured in the same run. Command: `{command}`",
+        f"{bw:.3f} TB/s measured in the same run. Command: `{command}`. torch's optimizers are built "
+        "with capturable=True (needed for graph capture; it slows torch foreach). Ratios use graph times.",
         "",
         header,
         "|---|---|---|---|---|---|---|---|---|---|",
