@@ -1,4 +1,4 @@
-"""nox sessions: tests (CPU tier), tests_gpu, parity, bench, lint.
+"""nox sessions: tests (CPU tier), tests_gpu, parity, bench, convergence, lint.
 
 Every session also runs with ``nox --no-venv`` (the GPU machine has torch and triton and no
 network): then nothing is downloaded, and the package is installed without dependencies
@@ -19,7 +19,7 @@ VENV = ["--system-site-packages"]
 TORCH_PIN = "torch==2.13.0"
 
 
-def _install(session: nox.Session) -> None:
+def _install(session: nox.Session, *extras: str) -> None:
     if session.venv_backend == "none":
         try:
             session.run("python", "-c", "import kernel_factory.optimizers", silent=True)
@@ -28,7 +28,7 @@ def _install(session: nox.Session) -> None:
         return
     if importlib.util.find_spec("torch") is None:
         session.install(TORCH_PIN)
-    session.install("-e", ".[dev]")
+    session.install("-e", f".[{','.join(('dev', *extras))}]")
 
 
 @nox.session(venv_params=VENV)
@@ -55,9 +55,16 @@ def parity(session: nox.Session) -> None:
 
 @nox.session(venv_params=VENV)
 def bench(session: nox.Session) -> None:
-    """AdamW vs torch foreach/fused against the HBM floor; writes benchmarks/results/."""
-    _install(session)
-    session.run("python", "benchmarks/bench_adamw.py", *session.posargs)
+    """The benchmark matrix (every registered optimizer vs the HBM floor); benchmarks/results/bench.*"""
+    _install(session, "bench")
+    session.run("python", "-m", "benchmarks.bench", *session.posargs)
+
+
+@nox.session(venv_params=VENV)
+def convergence(session: nox.Session) -> None:
+    """Train the small Llama-style model on text with every optimizer; benchmarks/results/convergence_*"""
+    _install(session, "bench")
+    session.run("python", "-m", "benchmarks.convergence", *session.posargs)
 
 
 @nox.session(venv_params=VENV)

@@ -1,0 +1,1 @@
+"""Benchmarks and the convergence harness (run from the repository root: python -m benchmarks...)."""

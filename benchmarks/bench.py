@@ -1,0 +1,162 @@
+"""The benchmark matrix: every registered optimizer's step on single tensors and on the
+134M-parameter Llama-style list, against the HBM floor and against each other.
+
+    python -m benchmarks.bench [--optimizers a,b] [--shapes single_4096x1024,llama134m] [--dtypes fp32,bf16]
+
+Floor = bytes a step must move / copy bandwidth measured in the same run (4 GiB copy). Bytes
+per parameter = 2 x param bytes (read, write) + grad bytes + 2 x state bytes per parameter
+(read, write), with the state counted from the optimizer's state tensors after one step:
+AdamW fp32 gives 28 B, bf16 params with bf16 state 14 B. Times are do_bench medians with L2
+flushed before each call: `eager` is `opt.step()` as called (on small workloads it includes
+the host's time to issue the step), `graph` the replay of a CUDA graph of one step (device
+time; for the optimizers that can be captured: ours, and torch's built with capturable=True).
+`copy` is a torch copy of the same bytes as our AdamW step: the practical ceiling at that
+size. "% of floor" and "ours faster" use graph times where there are, else eager. Writes
+benchmarks/results/bench.{csv,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import torch
+
+from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
+from benchmarks.reporting import nox_command
+from kernel_factory.generator.timing import copy_bandwidth_tbs, time_ms
+from kernel_factory.optimizers import AdamW
+from kernel_factory.optimizers.workloads import SHAPE_SETS
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RESULTS = Path(__file__).resolve().parent / "results"
+LR, WD = 1e-3, 0.01
+# Model dimensions of each shape set, for adam-mini's per-head partition.
+SHAPES_OF = {"llama134m": Shape(768, 12, 12), "single_4096x1024": Shape(1024, 8, 8), "small": Shape(8, 1, 1)}
+FP32_STATE = OptimizerSpec(
+    "kernel_factory_adamw_fp32_state",
+    lambda n, s, lr, wd: AdamW([p for _, p in n], lr=lr, weight_decay=wd, state_dtype="fp32"),
+    capturable=True,
+)
+
+
+def named_params(shapes, dtype) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for name, shape in shapes:
+        p = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) * 0.02).requires_grad_(True)
+        p.grad = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+        out.append((name, p))
+    return out
+
+
+def time_graph(step) -> float | None:
+    """p50 of replaying a CUDA graph of one ``step()``; None if the step cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception:  # noqa: BLE001 - not capturable: report eager only
+        torch.cuda.synchronize()
+        return None
+    return time_ms(graph.replay)[1]
+
+
+def time_copy(nbytes: int) -> float:
+    src = torch.empty(nbytes // 2 // 4, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dst.copy_(src))[1]
+
+
+def measure(spec, shapes_name, dtype, rep_ms) -> dict:
+    named = named_params(SHAPE_SETS[shapes_name], dtype)
+    numel = sum(p.numel() for _, p in named)
+    opt = spec.build(named, SHAPES_OF[shapes_name], LR, WD)
+    opt.step()  # state init, compilation
+    torch.cuda.synchronize()
+    state = state_bytes(opt) / numel
+    eager = time_ms(opt.step, rep_ms=rep_ms)[1]
+    graph = time_graph(opt.step) if spec.capturable else None
+    del opt, named
+    torch.cuda.empty_cache()
+    return dict(optimizer=spec.name, numel=numel, state_bytes_per_param=state,
+                bytes_per_param=3 * dtype.itemsize + 2 * state, eager_ms=eager, graph_ms=graph)  # fmt: skip
+
+
+def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, list[dict]]:
+    bw = copy_bandwidth_tbs(4 << 30)
+    print(f"measured copy bandwidth: {bw:.3f} TB/s (read + write, 4 GiB)")
+    rows = []
+    for shapes_name in shape_sets:
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            race = specs + ([FP32_STATE] if dtype != torch.float32 and any(s.name == OURS for s in specs) else [])
+            block = [dict(shapes=shapes_name, dtype=dname, **measure(s, shapes_name, dtype, rep_ms)) for s in race]
+            ours = next((r for r in block if r["optimizer"] == OURS), None)
+            if ours is not None:
+                copy_ms = time_copy(int(ours["numel"] * ours["bytes_per_param"]))
+                block.append(dict(block[0], optimizer="copy (same bytes as ours)", eager_ms=copy_ms, graph_ms=copy_ms,
+                                  state_bytes_per_param=float("nan"), bytes_per_param=ours["bytes_per_param"]))
+            for r in block:
+                r["ms"] = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
+                r["floor_ms"] = r["numel"] * r["bytes_per_param"] / (bw * 1e12) * 1e3
+                r["pct_of_floor"] = 100 * r["floor_ms"] / r["ms"]
+                r["ours_faster"] = r["ms"] / ours["ms"] if ours is not None else float("nan")
+                print(f"{shapes_name:>17} {dname} {r['optimizer']:<34} {r['ms']:9.4f} ms {r['pct_of_floor']:5.1f}% "
+                      f"of floor, state {r['state_bytes_per_param']:.2f} B/param")  # fmt: skip
+            rows += block
+    return bw, rows
+
+
+def write(bw, rows, notes, out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    fields = ["shapes", "dtype", "optimizer", "numel", "state_bytes_per_param", "bytes_per_param", "eager_ms",
+              "graph_ms", "ms", "floor_ms", "pct_of_floor", "ours_faster"]  # fmt: skip
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    fmt = lambda v, spec: "n/a" if v is None or v != v else format(v, spec)  # noqa: E731 (NaN != NaN)
+    lines = [f"Optimizer step on {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
+             f"{bw:.3f} TB/s measured in the same run. Command: `{command}`", "",
+             "| shapes | dtype | optimizer | state B/param | moved B/param | eager ms | graph ms | floor ms | "
+             "% of floor | ours faster |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['shapes']} | {r['dtype']} | {r['optimizer']} | {fmt(r['state_bytes_per_param'], '.2f')} | "
+                     f"{r['bytes_per_param']:.1f} | {r['eager_ms']:.4f} | {fmt(r['graph_ms'], '.4f')} | "
+                     f"{r['floor_ms']:.4f} | {r['pct_of_floor']:.1f} | {fmt(r['ours_faster'], '.2f')}x |")  # fmt: skip
+    lines += [""] + [f"- {n}" for n in notes]
+    (out / "bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--optimizers", default=None, help="comma-separated registry names (default: all available)")
+    ap.add_argument("--shapes", default="single_4096x1024,llama134m")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--rep-ms", type=float, default=300)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    unknown = set(args.shapes.split(",")) - set(SHAPE_SETS)
+    if unknown:
+        ap.error(f"unknown shape set(s) {sorted(unknown)}; known: {', '.join(SHAPE_SETS)}")
+    if not torch.cuda.is_available():
+        print("bench: no CUDA GPU here; nothing to time (the interpreter's timings mean nothing)")
+        return 0
+    specs, notes = select(args.optimizers.split(",") if args.optimizers else None, "cuda")
+    for note in notes:
+        print(note)
+    bw, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
+    write(bw, rows, notes, args.out, nox_command("bench", argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
