@@ -104,12 +104,13 @@ def train_one(spec, corpus: CharCorpus, rc: RunConfig, device: str, progress: bo
     rows, step_ms, opt_ms = [], [], []
     bar = _progress(rc.steps, spec.name) if progress else None
     for step in range(rc.steps):
-        lr = rc.lr * lr_factor(step, rc)
+        factor = lr_factor(step, rc)
+        lr = rc.lr * factor
         for group in opt.param_groups:
             if torch.is_tensor(group["lr"]):
-                group["lr"].fill_(group["base_lr"] * lr_factor(step, rc))
+                group["lr"].fill_(group["base_lr"] * factor)
             else:
-                group["lr"] = group["base_lr"] * lr_factor(step, rc)
+                group["lr"] = group["base_lr"] * factor
         x, y = get_batch(corpus.train, rc.batch_size, rc.block_size, gen)
         t0 = _now(cuda)
         with autocast():
