@@ -1,4 +1,4 @@
-"""nox sessions: tests (CPU tier), tests_gpu, parity, bench, convergence, lint.
+"""nox sessions: tests (CPU tier), tests_gpu, parity, bench, convergence, tune, lint.
 
 Every session also runs with ``nox --no-venv`` (the GPU machine has torch and triton and no
 network): then nothing is downloaded, and the package is installed without dependencies
@@ -65,6 +65,13 @@ def convergence(session: nox.Session) -> None:
     """Train the small Llama-style model on text with every optimizer; benchmarks/results/convergence_*"""
     _install(session, "bench")
     session.run("python", "-m", "benchmarks.convergence", *session.posargs)
+
+
+@nox.session(venv_params=VENV)
+def tune(session: nox.Session) -> None:
+    """Optuna-tune the kernels on this GPU: nox -s tune -- --arch sm90 [--output autotune_cache/sm90.json]"""
+    _install(session, "bench")
+    session.run("python", "-m", "kernel_factory.optimizers.tune", *session.posargs)
 
 
 @nox.session(venv_params=VENV)

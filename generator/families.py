@@ -33,6 +33,8 @@ ADAMW = KernelFamily(
         "grad_scaling": (False, True),  # in-kernel unscale and skip-on-inf
     },
     tuning_axes=("multi_tensor", "state_dtype", "amsgrad"),
+    # One 4096x1024 tensor, and the 134M-parameter Llama-style list (bucket 2^27).
+    tune_sizes=(1 << 22, 1 << 27),
     # Default from a hand sweep on the H200 (benchmarks/sweep_adamw_configs.py, 134M fp32
     # list): BLOCK 512 / CHUNK 4096 / 8 warps reached 94.2% of the copy-bandwidth floor.
     tunables=(

@@ -39,7 +39,8 @@ class KernelFamily:
     default). ``tuning_axes`` names the axes that change the memory traffic or
     the loop structure enough to deserve their own tuned config; the others
     (e.g. ``maximize``) share the config of the variant they differ from.
-    ``is_legal(config)`` is the single legality predicate.
+    ``is_legal(config)`` is the single legality predicate. ``tune_sizes`` are the work sizes
+    (elements per launch) the tuner measures; lookups in between take the nearest bucket.
     """
 
     name: str
@@ -48,6 +49,7 @@ class KernelFamily:
     tunables: tuple[Tunable, ...]
     is_legal: Callable[[Config], bool]
     tuning_axes: tuple[str, ...] = ()
+    tune_sizes: tuple[int, ...] = ()  # work per launch (elements) the tuner measures at
     description: str = ""
     _default: Config = field(init=False, repr=False, compare=False)
 

@@ -22,3 +22,25 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30, device: str = "cuda") -> float:
     dst = torch.empty_like(src)
     _, p50, _ = time_ms(lambda: dst.copy_(src))
     return 2 * nbytes / (p50 * 1e-3) / 1e12
+
+
+def restoring_timer(reps: int = 30, flush_bytes: int = 256 << 20):
+    """A tuner timer: p20/p50/p80 ms of ``task.run()`` over ``reps`` runs, each after
+    ``task.restore()`` (in-place updates undone) and an L2 flush, neither of them timed."""
+
+    def timer(task) -> tuple[float, float, float]:
+        flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+        times = []
+        for _ in range(reps):
+            task.restore()
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            task.run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        q = torch.tensor(times).quantile(torch.tensor([0.2, 0.5, 0.8])).tolist()
+        return q[0], q[1], q[2]
+
+    return timer

@@ -1,0 +1,226 @@
+"""Optuna tuning of a family's launch configs, one study per cache key.
+
+A *task* is one (family, structural variant, dtype, size bucket) with a workload on the
+device; it knows how to launch with a config and how to check the result (``TuningTask``).
+For each task the tuner runs an Optuna study (TPE sampler, fixed seed, the family default
+enqueued first) over the family's tunables:
+
+- an illegal config (the family's predicate) is pruned before anything compiles;
+- every legal config is compiled, checked against the family's reference on fresh random
+  inputs (a wrong result fails the trial: it can never win), then timed (p20/p50/p80);
+- failures are typed (compile, out_of_resources, wrong_result, runtime), recorded on the
+  trial and never retried: a config seen before is answered from the study, not rerun;
+- objectives are always finite (failed trials are FAIL, not NaN).
+
+Studies persist in sqlite (outside git), so an interrupted tune resumes where it stopped.
+Results go to the cache file in DESIGN.md's format through ``cache.merge_entries``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .cache import merge_entries, size_bucket
+from .family import KernelFamily
+from .render import user_cache_dir
+
+FAILURES = ("compile", "out_of_resources", "wrong_result", "runtime")
+Timer = Callable[["TuningTask"], tuple[float, float, float]]
+
+
+class WrongResult(Exception):
+    """The config computed something else than the reference: it must never win."""
+
+
+class TuningTask(Protocol):
+    """One workload to tune. ``configure`` selects a config (compiling on first use);
+    ``run`` launches once; ``restore`` puts in-place tensors back (between timed runs);
+    ``check`` runs on fresh random inputs and returns the normwise relative error against
+    the family's reference; ``tol`` is the largest acceptable error."""
+
+    family: KernelFamily
+    variant: str  # the family's tuning key of the structural variant
+    dtype: str
+    numel: int
+    floor_ms: float | None
+    tol: float
+
+    def configure(self, config: Mapping[str, int]) -> None: ...
+    def run(self) -> None: ...
+    def restore(self) -> None: ...
+    def check(self) -> float: ...
+
+
+def classify(exc: BaseException) -> str:
+    """The failure type of an exception raised while compiling or running a config."""
+    if isinstance(exc, WrongResult):
+        return "wrong_result"
+    text = f"{type(exc).__name__} {exc}".lower()
+    if "outofresources" in text or "out of resource" in text or "shared memory" in text:
+        return "out_of_resources"
+    if "compil" in text:
+        return "compile"
+    return "runtime"
+
+
+@dataclass
+class KeyResult:
+    task: TuningTask
+    best: dict | None = None
+    best_times: tuple[float, float, float] | None = None
+    default_p50: float | None = None
+    trials: int = 0
+    failures: Counter = field(default_factory=Counter)
+
+    def entry(self) -> dict:
+        """The cache entry (DESIGN.md "Cache file") for this key."""
+        p20, p50, p80 = self.best_times
+        return {
+            "family": self.task.family.name, "variant": self.task.variant, "dtype": self.task.dtype,
+            "bucket": size_bucket(self.task.numel), "config": self.best, "p20_ms": p20, "p50_ms": p50,
+            "p80_ms": p80, "default_p50_ms": self.default_p50, "trials": self.trials,
+            "failures": {k: self.failures[k] for k in FAILURES if self.failures[k]}, "method": "optuna-tpe",
+        }  # fmt: skip
+
+
+def _study_name(task: TuningTask, arch: str) -> str:
+    return f"{arch}/{task.family.name}/{task.variant}/{task.dtype}/{size_bucket(task.numel)}"
+
+
+def _config_key(config: Mapping[str, int]) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds: float, storage: str | None,
+              seed: int = 0, progress: Callable[[], None] | None = None) -> KeyResult:  # fmt: skip
+    """Run (or resume) the study of one task; returns its best legal, correct config."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    family = task.family
+    study = optuna.create_study(
+        study_name=_study_name(task, arch), storage=storage, load_if_exists=True, direction="minimize",
+        sampler=optuna.samplers.TPESampler(seed=seed),
+    )  # fmt: skip
+    if not study.trials:
+        study.enqueue_trial(dict(family.default_config))
+    seen = {_config_key(t.params): t for t in study.trials if t.state.is_finished() and t.params}
+
+    def objective(trial) -> float:
+        config = {t.name: trial.suggest_categorical(t.name, list(t.choices)) for t in family.tunables}
+        earlier = seen.get(_config_key(config))
+        if earlier is not None:  # never rerun a config: reuse its outcome
+            trial.set_user_attr("repeat_of", earlier.number)
+            if earlier.state == optuna.trial.TrialState.COMPLETE:
+                for k in ("p20_ms", "p50_ms", "p80_ms"):
+                    trial.set_user_attr(k, earlier.user_attrs[k])
+                return earlier.value
+            raise optuna.TrialPruned(f"repeat of trial {earlier.number} ({earlier.state.name})")
+        if not family.is_legal(config):
+            trial.set_user_attr("pruned", "illegal")
+            raise optuna.TrialPruned("illegal config")
+        try:
+            task.configure(config)
+            error = task.check()
+            if not error <= task.tol:  # NaN fails too
+                raise WrongResult(f"relative error {error:.3e} > {task.tol:.1e}")
+            task.restore()
+            p20, p50, p80 = timer(task)
+        except Exception as exc:  # noqa: BLE001 - typed, recorded, never retried
+            trial.set_user_attr("failure", classify(exc))
+            trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        for name, value in (("p20_ms", p20), ("p50_ms", p50), ("p80_ms", p80), ("rel_error", error)):
+            trial.set_user_attr(name, float(value))
+        return float(p50)
+
+    def after(study, trial) -> None:
+        if trial.params:
+            seen.setdefault(_config_key(trial.params), trial)
+        if progress is not None:
+            progress()
+
+    remaining = max(0, trials - sum(1 for t in study.trials if t.state.is_finished()))
+    if remaining:
+        study.optimize(objective, n_trials=remaining, timeout=max(1.0, seconds), catch=(Exception,),
+                       callbacks=[after])  # fmt: skip
+    return _summarise(task, study)
+
+
+def _summarise(task: TuningTask, study) -> KeyResult:
+    import optuna
+
+    result = KeyResult(task)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and math.isfinite(t.value)]
+    result.trials = sum(1 for t in study.trials if t.state.is_finished())
+    result.failures = Counter(t.user_attrs["failure"] for t in study.trials if "failure" in t.user_attrs)
+    default = _config_key(task.family.default_config)
+    for t in complete:
+        if _config_key(t.params) == default:
+            result.default_p50 = t.user_attrs["p50_ms"]
+            break
+    if complete:
+        best = min(complete, key=lambda t: t.value)
+        result.best = dict(best.params)
+        result.best_times = tuple(best.user_attrs[k] for k in ("p20_ms", "p50_ms", "p80_ms"))
+    return result
+
+
+def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: str, trials: int = 40,
+         minutes: float = 8.0, output: Path | None = None, study_path: Path | None = None,
+         resume: bool = True, show_progress: bool = True) -> list[KeyResult]:  # fmt: skip
+    """Tune every task within ``minutes`` (shared out over the tasks still to run), write the
+    winners to ``output`` (default: the user overlay) and return the per-key results."""
+    if arch != local_arch:
+        raise RuntimeError(f"cannot tune {arch} here: this machine's device is {local_arch} "
+                           f"(timings must come from the architecture they are cached for)")  # fmt: skip
+    study_path = study_path or user_cache_dir() / "studies" / f"{arch}.db"
+    study_path.parent.mkdir(parents=True, exist_ok=True)
+    if not resume and study_path.exists():
+        study_path.unlink()
+    storage = f"sqlite:///{study_path}"
+    deadline = time.monotonic() + 60.0 * minutes
+    bar = _bar(trials * len(tasks)) if show_progress else None
+    results = []
+    for i, task in enumerate(tasks):
+        seconds = (deadline - time.monotonic()) / (len(tasks) - i)
+        results.append(tune_task(task, arch, timer, trials=trials, seconds=seconds, storage=storage,
+                                 progress=bar.update if bar else None))  # fmt: skip
+    if bar is not None:
+        bar.close()
+    winners = [r.entry() for r in results if r.best is not None]
+    if winners:
+        merge_entries(output or user_cache_dir() / f"{arch}.json", arch, winners)
+    return results
+
+
+def _bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="tuning", unit="trial")
+
+
+def report(results: Sequence[KeyResult]) -> str:
+    """Per key: default vs tuned p50 (ms), % of floor, speedup, trials and failures."""
+    lines = [f"{'key':<62} {'default ms':>10} {'tuned ms':>9} {'% floor':>8} {'speedup':>8} {'trials':>6}  failures"]
+    for r in results:
+        t = r.task
+        key = f"{t.family.name} {t.variant} {t.dtype} {size_bucket(t.numel)}"
+        if r.best is None:
+            dashes = " ".join(f"{'-':>{w}}" for w in (10, 9, 8, 8))
+            lines.append(f"{key:<62} {dashes} {r.trials:>6}  {dict(r.failures)} (no winner)")
+            continue
+        tuned = r.best_times[1]
+        floor = f"{100 * t.floor_ms / tuned:.1f}" if t.floor_ms else "-"
+        default = f"{r.default_p50:.4f}" if r.default_p50 else "-"
+        speedup = f"{r.default_p50 / tuned:.3f}x" if r.default_p50 else "-"
+        lines.append(f"{key:<62} {default:>10} {tuned:>9.4f} {floor:>8} {speedup:>8} {r.trials:>6}  {dict(r.failures)}")
+    return "\n".join(lines)

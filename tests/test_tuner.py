@@ -1,0 +1,139 @@
+"""The Optuna tuner on CPU: real AdamW tasks under the interpreter, an injected timer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import optuna
+import pytest
+import torch
+
+from kernel_factory.generator import ADAMW, interpreter_enabled
+from kernel_factory.generator.tuner import classify, tune
+from kernel_factory.optimizers.tune import AdamWTuningTask
+
+pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
+SHAPES = [(300,), (7,)]
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
+
+
+def fake_ms(config) -> float:
+    """Fastest at BLOCK=256, CHUNK=1024, 1 warp, 1 stage; the default is slower."""
+    return (1.0 + abs(math.log2(config["BLOCK"] / 256)) + abs(math.log2(config["CHUNK"] / 1024))
+            + 0.1 * config["num_warps"] + 0.01 * config["num_stages"])  # fmt: skip
+
+
+class Recorder:
+    """Wraps a task: counts configure calls per config; optional sabotage by config."""
+
+    def __init__(self, task, fail=None, corrupt=None):
+        self.task, self.fail, self.corrupt = task, fail, corrupt
+        self.configured: list[dict] = []
+        self.config: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def configure(self, config):
+        self.configured.append(dict(config))
+        self.config = dict(config)
+        if self.fail and self.fail(config):
+            raise RuntimeError("CompilationError: planted failure")
+        self.task.configure(config)
+
+    def check(self):
+        error = self.task.check()
+        return 1.0 if self.corrupt and self.corrupt(self.config) else error
+
+    def run(self):
+        self.task.run()
+
+    def restore(self):
+        self.task.restore()
+
+
+def timer(task):
+    t = fake_ms(task.config)
+    return t * 0.95, t, t * 1.05
+
+
+def _tune(task, tmp_path, trials, **kw):
+    return tune([task], "cpu", timer, local_arch="cpu", trials=trials, minutes=kw.pop("minutes", 5),
+                output=tmp_path / "cpu.json", study_path=tmp_path / "studies.db", show_progress=False, **kw)
+
+
+def test_tuner_beats_the_default_and_writes_a_cache_entry(tmp_path):
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    (result,) = _tune(task, tmp_path, trials=25)
+    assert task.configured[0] == dict(ADAMW.default_config)  # the default is enqueued first
+    assert all(ADAMW.is_legal(c) for c in task.configured)  # illegal configs never compile
+    assert len({tuple(sorted(c.items())) for c in task.configured}) == len(task.configured)  # no reruns
+    assert result.best_times[1] <= result.default_p50 == fake_ms(ADAMW.default_config)
+    entry = json.loads((tmp_path / "cpu.json").read_text())["entries"][0]
+    assert entry["config"] == result.best and entry["default_p50_ms"] == result.default_p50
+    assert entry["variant"] == "multi_tensor=False,state_dtype=float32,amsgrad=False" and entry["dtype"] == "float32"
+    study = optuna.load_study(study_name=f"cpu/adamw/{entry['variant']}/float32/512",
+                              storage=f"sqlite:///{tmp_path / 'studies.db'}")  # fmt: skip
+    assert all(math.isfinite(t.value) for t in study.trials if t.value is not None)
+
+
+def test_failures_are_typed_and_never_retried(tmp_path):
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"), fail=lambda c: c["num_warps"] == 1)
+    (result,) = _tune(task, tmp_path, trials=30)
+    failed = [c for c in task.configured if c["num_warps"] == 1]
+    assert failed and result.failures["compile"] == len(failed)
+    assert len({tuple(sorted(c.items())) for c in failed}) == len(failed)
+    assert result.best["num_warps"] != 1
+
+
+def test_parity_gate_rejects_a_wrong_config_even_when_fastest(tmp_path):
+    wrong = lambda c: c["BLOCK"] == 256  # noqa: E731  (the fake timer's favourite block)
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"), corrupt=wrong)
+    (result,) = _tune(task, tmp_path, trials=30)
+    assert result.failures["wrong_result"] >= 1
+    assert result.best["BLOCK"] != 256
+
+
+def test_real_check_catches_a_real_error():
+    task = AdamWTuningTask(SHAPES, torch.float32, "cpu")
+    task.configure(dict(ADAMW.default_config))
+    assert task.check() <= task.tol
+    task.hyper.beta1 = 0.5  # the kernel now computes another update than the reference...
+    real_run = task.run
+    task.run = lambda: (setattr(task.hyper, "beta1", 0.5), real_run())  # ...for the kernel only
+    task.hyper.beta1 = 0.9
+    assert task.check() > task.tol
+
+
+def test_resume_continues_the_study_without_rerunning(tmp_path):
+    first = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    (r1,) = _tune(first, tmp_path, trials=5)
+    assert r1.trials == 5
+    second = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    (r2,) = _tune(second, tmp_path, trials=10)
+    assert r2.trials == 10
+    done = {tuple(sorted(c.items())) for c in first.configured}
+    assert not done & {tuple(sorted(c.items())) for c in second.configured}
+    assert dict(ADAMW.default_config) not in second.configured  # not enqueued again
+
+
+def test_budget_stops_the_study(tmp_path):
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    (result,) = _tune(task, tmp_path, trials=500, minutes=0.02)
+    assert 1 <= result.trials < 500
+
+
+def test_tuning_another_arch_is_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="cannot tune sm90 here"):
+        tune([], "sm90", timer, local_arch="cpu", output=tmp_path / "x.json", study_path=tmp_path / "s.db")
+
+
+def test_failure_types():
+    assert classify(RuntimeError("CompilationError: bad")) == "compile"
+    assert classify(Exception("OutOfResources: out of resource: shared memory")) == "out_of_resources"
+    assert classify(ValueError("boom")) == "runtime"
