@@ -31,6 +31,11 @@ def _install(session: nox.Session, *extras: str) -> None:
     session.install("-e", f".[{','.join(('dev', *extras))}]")
 
 
+def _run_module(session: nox.Session, module: str, *extras: str) -> None:
+    _install(session, *extras)
+    session.run("python", "-m", module, *session.posargs)
+
+
 @nox.session(venv_params=VENV)
 def tests(session: nox.Session) -> None:
     """CPU tier: torch's CPU kernels, and the generated Triton kernels under the interpreter."""
@@ -49,29 +54,25 @@ def tests_gpu(session: nox.Session) -> None:
 @nox.session(venv_params=VENV)
 def parity(session: nox.Session) -> None:
     """Parity matrix (optimizer x dtype x shape set); non-zero exit on any failure."""
-    _install(session)
-    session.run("python", "-m", "kernel_factory.optimizers.parity_matrix", *session.posargs)
+    _run_module(session, "kernel_factory.optimizers.parity_matrix")
 
 
 @nox.session(venv_params=VENV)
 def bench(session: nox.Session) -> None:
     """The benchmark matrix (every registered optimizer vs the HBM floor); benchmarks/results/bench.*"""
-    _install(session, "bench")
-    session.run("python", "-m", "benchmarks.bench", *session.posargs)
+    _run_module(session, "benchmarks.bench", "bench")
 
 
 @nox.session(venv_params=VENV)
 def convergence(session: nox.Session) -> None:
     """Train the small Llama-style model on text with every optimizer; benchmarks/results/convergence_*"""
-    _install(session, "bench")
-    session.run("python", "-m", "benchmarks.convergence", *session.posargs)
+    _run_module(session, "benchmarks.convergence", "bench")
 
 
 @nox.session(venv_params=VENV)
 def tune(session: nox.Session) -> None:
     """Optuna-tune the kernels on this GPU: nox -s tune -- --arch sm90 [--output autotune_cache/sm90.json]"""
-    _install(session, "bench")
-    session.run("python", "-m", "kernel_factory.optimizers.tune", *session.posargs)
+    _run_module(session, "kernel_factory.optimizers.tune", "bench")
 
 
 @nox.session(venv_params=VENV)
