@@ -157,23 +157,16 @@ def environment() -> dict:
 
 def merge_entries(path: Path, arch: str, entries: list[dict]) -> None:
     """Add or replace ``entries`` (keyed by family, variant, dtype, bucket) in the cache file at
-    ``path``, dropping entries of families whose template changed, and refresh its header."""
-    path = Path(path)
-    try:
-        old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    except ValueError:
-        old = {}
+    ``path``, keeping its other current entries (stale or unreadable ones are dropped, as a
+    lookup would ignore them), and refresh its header."""
     key = lambda e: (e["family"], e["variant"], e["dtype"], int(e["bucket"]))  # noqa: E731
-    families = {e["family"] for e in entries}
-    hashes = {f: template_hash(get_family(f)) for f in families}
-    kept = {key(e): e for e in old.get("entries", []) if old.get("template_hashes", {}).get(e["family"])
-            == template_hash(get_family(e["family"]))}  # fmt: skip
+    kept = {key(e): e for e in _read(Path(path), arch)}
     kept.update({key(e): e for e in entries})
     data = {
         "schema": SCHEMA_VERSION,
         "arch": arch,
         "environment": environment(),
-        "template_hashes": {**old.get("template_hashes", {}), **hashes},
+        "template_hashes": {f: template_hash(get_family(f)) for f in sorted({e["family"] for e in kept.values()})},
         "entries": sorted(kept.values(), key=key),
     }
     write_cache_file(path, data)

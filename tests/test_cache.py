@@ -106,3 +106,17 @@ def test_packaged_sm90_cache_is_well_formed():
         ADAMW.check_config(entry["config"])
         assert entry["p20_ms"] <= entry["p50_ms"] <= entry["p80_ms"]
         assert entry["p50_ms"] <= entry["default_p50_ms"] * 1.01, entry  # 1%: timing noise
+
+
+def test_merge_keeps_current_entries_replaces_same_key_and_drops_stale(tmp_path):
+    path = tmp_path / "smtest.json"
+    cache.merge_entries(path, "smtest", [_entry(1 << 20, 256), _entry(1 << 22, 512)])
+    cache.merge_entries(path, "smtest", [_entry(1 << 20, 1024)])
+    data = json.loads(path.read_text())
+    assert {(e["bucket"], e["config"]["BLOCK"]) for e in data["entries"]} == {(1 << 20, 1024), (1 << 22, 512)}
+    assert data["template_hashes"] == {"adamw": template_hash(ADAMW)}
+    _write(path, [_entry(1 << 22, 512)], hashes={"adamw": "0" * 64})  # now tuned on another template
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache.merge_entries(path, "smtest", [_entry(1 << 20, 256)])
+    assert [e["bucket"] for e in json.loads(path.read_text())["entries"]] == [1 << 20]
