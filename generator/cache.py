@@ -49,8 +49,9 @@ def _warn_once(key: tuple, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _read(path: Path, arch: str) -> list[dict]:
-    """Entries of one cache file whose template hash is current; [] if absent or unreadable."""
+def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
+    """Entries of one cache file whose template hash is current; [] if absent or unreadable
+    (each with one warning unless ``warn`` is false)."""
     if not path.exists():
         return []
     try:
@@ -59,7 +60,8 @@ def _read(path: Path, arch: str) -> list[dict]:
             raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA_VERSION}")
         entries, hashes = data["entries"], data["template_hashes"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        _warn_once(("corrupt", str(path)), f"kernel_factory: ignoring tuning cache {path}: {exc}")
+        if warn:
+            _warn_once(("corrupt", str(path)), f"kernel_factory: ignoring tuning cache {path}: {exc}")
         return []
     fresh = []
     for entry in entries:
@@ -69,6 +71,8 @@ def _read(path: Path, arch: str) -> list[dict]:
         except KeyError:
             continue
         if hashes.get(family) != current:
+            if not warn:
+                continue
             _warn_once(
                 ("stale", str(path), family),
                 f"kernel_factory: {path} was tuned on another version of the {family!r} "
@@ -77,6 +81,17 @@ def _read(path: Path, arch: str) -> list[dict]:
             continue
         fresh.append(entry)
     return fresh
+
+
+def prior_configs(path: Path) -> dict[tuple, dict]:
+    """Configs of every entry in the cache file at ``path`` by (family, variant, dtype, bucket),
+    whatever template version they were tuned on: starting points for a re-tune, never used
+    to launch. {} if the file is absent or unreadable."""
+    try:
+        entries = json.loads(Path(path).read_text(encoding="utf-8"))["entries"]
+        return {(e["family"], e["variant"], e["dtype"], int(e["bucket"])): dict(e["config"]) for e in entries}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 @cache
@@ -160,7 +175,7 @@ def merge_entries(path: Path, arch: str, entries: list[dict]) -> None:
     ``path``, keeping its other current entries (stale or unreadable ones are dropped, as a
     lookup would ignore them), and refresh its header."""
     key = lambda e: (e["family"], e["variant"], e["dtype"], int(e["bucket"]))  # noqa: E731
-    kept = {key(e): e for e in _read(Path(path), arch)}
+    kept = {key(e): e for e in _read(Path(path), arch, warn=False)}  # the tuner replaces them
     kept.update({key(e): e for e in entries})
     data = {
         "schema": SCHEMA_VERSION,

@@ -3,14 +3,19 @@
 A *task* is one (family, structural variant, dtype, size bucket) with a workload on the
 device; it knows how to launch with a config and how to check the result (``TuningTask``).
 For each task the tuner runs an Optuna study (TPE sampler, fixed seed, the family default
-enqueued first) over the family's tunables:
+enqueued first, then the key's config from the existing cache file, whatever template
+version it was tuned on) over the family's tunables:
 
 - an illegal config (the family's predicate) is pruned before anything compiles;
 - every legal config is compiled, checked against the family's reference on fresh random
   inputs (a wrong result fails the trial: it can never win), then timed (p20/p50/p80);
 - failures are typed (compile, out_of_resources, wrong_result, runtime), recorded on the
   trial and never retried: a config seen before is answered from the study, not rerun;
-- objectives are always finite (failed trials are FAIL, not NaN).
+- objectives are always finite (failed trials are FAIL, not NaN);
+- at the end the winner and the default are timed again, alternately, and the cache records
+  those paired times: a config timed while the GPU was still warming up (the default, timed
+  first) or one timed on a lucky run cannot win or lose by it. If the default is as fast in
+  the paired timing, the default is the winner.
 
 Studies persist in sqlite (outside git), so an interrupted tune resumes where it stopped.
 Results go to the cache file in DESIGN.md's format through ``cache.merge_entries``.
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .cache import merge_entries, size_bucket
+from .cache import merge_entries, prior_configs, size_bucket
 from .family import KernelFamily
 from .render import user_cache_dir
 
@@ -89,8 +94,12 @@ class KeyResult:
         }  # fmt: skip
 
 
+def _cache_key(task: TuningTask) -> tuple:
+    return (task.family.name, task.variant, task.dtype, size_bucket(task.numel))
+
+
 def _study_name(task: TuningTask, arch: str) -> str:
-    return f"{arch}/{task.family.name}/{task.variant}/{task.dtype}/{size_bucket(task.numel)}"
+    return arch + "/" + "/".join(str(k) for k in _cache_key(task))
 
 
 def _config_key(config: Mapping[str, int]) -> tuple:
@@ -98,8 +107,10 @@ def _config_key(config: Mapping[str, int]) -> tuple:
 
 
 def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds: float, storage: str | None,
-              seed: int = 0, progress: Callable[[], None] | None = None) -> KeyResult:  # fmt: skip
-    """Run (or resume) the study of one task; returns its best legal, correct config."""
+              seed: int = 0, progress: Callable[[], None] | None = None, warm_start: Mapping | None = None,
+              final_rounds: int = 3) -> KeyResult:  # fmt: skip
+    """Run (or resume) the study of one task; returns its best legal, correct config, timed
+    ``final_rounds`` times alternately with the default (no paired timing if 0)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -110,6 +121,8 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
     )  # fmt: skip
     if not study.trials:
         study.enqueue_trial(dict(family.default_config))
+        if warm_start and set(warm_start) == {t.name for t in family.tunables} and warm_start != family.default_config:
+            study.enqueue_trial(dict(warm_start))
     seen = {_config_key(t.params): t for t in study.trials if t.state.is_finished() and t.params}
 
     def objective(trial) -> float:
@@ -150,7 +163,29 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
     if remaining:
         study.optimize(objective, n_trials=remaining, timeout=max(1.0, seconds), catch=(Exception,),
                        callbacks=[after])  # fmt: skip
-    return _summarise(task, study)
+    result = _summarise(task, study)
+    if final_rounds and result.best is not None and result.default_p50 is not None:
+        _paired_timing(task, timer, result, final_rounds)
+    return result
+
+
+def _paired_timing(task: TuningTask, timer: Timer, result: KeyResult, rounds: int) -> None:
+    """Time the default and the winner alternately ``rounds`` times each and keep, per config,
+    the round with the median p50; the default wins ties."""
+    default = dict(task.family.default_config)
+    times: dict[str, list] = {"default": [], "best": []}
+    for _ in range(rounds):
+        for name, config in (("default", default), ("best", result.best)):
+            task.configure(config)
+            task.restore()
+            times[name].append(timer(task))
+    task.restore()
+    median = {name: sorted(ts, key=lambda t: t[1])[len(ts) // 2] for name, ts in times.items()}
+    result.default_p50 = median["default"][1]
+    if median["default"][1] <= median["best"][1]:
+        result.best, result.best_times = default, median["default"]
+    else:
+        result.best_times = median["best"]
 
 
 def _summarise(task: TuningTask, study) -> KeyResult:
@@ -174,7 +209,7 @@ def _summarise(task: TuningTask, study) -> KeyResult:
 
 def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: str, trials: int = 40,
          minutes: float = 8.0, output: Path | None = None, study_path: Path | None = None,
-         resume: bool = True, show_progress: bool = True) -> list[KeyResult]:  # fmt: skip
+         resume: bool = True, show_progress: bool = True, final_rounds: int = 3) -> list[KeyResult]:  # fmt: skip
     """Tune every task within ``minutes`` (shared out over the tasks still to run), write the
     winners to ``output`` (default: the user overlay) and return the per-key results."""
     if arch != local_arch:
@@ -185,18 +220,21 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
     if not resume and study_path.exists():
         study_path.unlink()
     storage = f"sqlite:///{study_path}"
+    output = output or user_cache_dir() / f"{arch}.json"
+    prior = prior_configs(output)
     deadline = time.monotonic() + 60.0 * minutes
     bar = _bar(trials * len(tasks)) if show_progress else None
     results = []
     for i, task in enumerate(tasks):
         seconds = (deadline - time.monotonic()) / (len(tasks) - i)
         results.append(tune_task(task, arch, timer, trials=trials, seconds=seconds, storage=storage,
-                                 progress=bar.update if bar else None))  # fmt: skip
+                                 progress=bar.update if bar else None, warm_start=prior.get(_cache_key(task)),
+                                 final_rounds=final_rounds))  # fmt: skip
     if bar is not None:
         bar.close()
     winners = [r.entry() for r in results if r.best is not None]
     if winners:
-        merge_entries(output or user_cache_dir() / f"{arch}.json", arch, winners)
+        merge_entries(output, arch, winners)
     return results
 
 

@@ -68,11 +68,10 @@ class Hyper:
         self.maximize = bool(group["maximize"])
 
     def kernel_scalars(self) -> tuple[float, ...]:
-        """beta1, beta2, 1-beta1, 1-beta2, log2 beta1 and log2 beta2 (each as an fp32 pair
-        hi + lo), eps, weight_decay: computed in double so the kernel's copies are exact."""
+        """beta2, 1-beta1, 1-beta2, log2 beta1 and log2 beta2 (each as an fp32 pair hi + lo),
+        eps, weight_decay: computed in double so the kernel's copies are exact."""
         b1, b2 = self.beta1, self.beta2
-        return (b1, b2, 1.0 - b1, 1.0 - b2, *_log2_pair(b1), *_log2_pair(b2), self.eps,
-                self.weight_decay)  # fmt: skip
+        return (b2, 1.0 - b1, 1.0 - b2, *_log2_pair(b1), *_log2_pair(b2), self.eps, self.weight_decay)
 
 
 def _fp32(x: float) -> float:
@@ -146,7 +145,7 @@ class TorchFused(Bucket):
         )  # fmt: skip
 
 
-class _TritonBucket(Bucket):
+class TritonBucket(Bucket):
     """What both Triton buckets share: variant selection, the lr buffer, counters."""
 
     multi_tensor: bool
@@ -205,7 +204,7 @@ class _TritonBucket(Bucket):
         return grad_scale.to(self.device), found_inf.to(self.device)
 
 
-class TritonSingleTensor(_TritonBucket):
+class TritonSingleTensor(TritonBucket):
     multi_tensor = False
 
     def run(self, h, grad_scale, found_inf):
@@ -222,7 +221,7 @@ class TritonSingleTensor(_TritonBucket):
             )  # fmt: skip
 
 
-class TritonMultiTensor(_TritonBucket):
+class TritonMultiTensor(TritonBucket):
     multi_tensor = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -348,7 +347,7 @@ class AdamGroupPlan:
         self.buckets: list[Bucket] = []
         for (kind, _, _, sd), ps in kinds.items():
             states = [state[p] for p in ps]
-            if issubclass(kind, _TritonBucket):
+            if issubclass(kind, TritonBucket):
                 bucket = kind(ps, states, amsgrad, bool(group["decoupled_weight_decay"]),
                               bool(group["maximize"]), sd)  # fmt: skip
             else:

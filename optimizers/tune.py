@@ -23,7 +23,7 @@ from kernel_factory.generator.timing import copy_bandwidth_tbs, restoring_timer
 from kernel_factory.generator.tuner import report, tune
 
 from .adam import AdamW
-from .adam_plan import Hyper, _TritonBucket
+from .adam_plan import Hyper, TritonBucket
 from .parity import compare_tensors
 from .reference import adam_reference_step
 from .workloads import SHAPE_SETS
@@ -56,7 +56,7 @@ class AdamWTuningTask:
         self.opt = AdamW(self.params, lr=1e-3, weight_decay=0.01, state_dtype=state_dtype)
         self.opt.step()  # builds the plan and the state
         (self.bucket,) = [b for plan in self.opt._plans.values() for b in plan.buckets]
-        if not isinstance(self.bucket, _TritonBucket):
+        if not isinstance(self.bucket, TritonBucket):
             raise RuntimeError("AdamW tuning needs the Triton path (CUDA, or TRITON_INTERPRET=1 with "
                                "KERNEL_FACTORY_BACKEND=triton)")  # fmt: skip
         self.hyper = Hyper(self.opt.param_groups[0])

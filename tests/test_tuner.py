@@ -63,8 +63,10 @@ def timer(task):
 
 
 def _tune(task, tmp_path, trials, **kw):
-    return tune([task], "cpu", timer, local_arch="cpu", trials=trials, minutes=kw.pop("minutes", 5),
-                output=tmp_path / "cpu.json", study_path=tmp_path / "studies.db", show_progress=False, **kw)
+    """Tune one task; without the final paired timing unless asked (it configures again)."""
+    return tune([task], "cpu", kw.pop("timer", timer), local_arch="cpu", trials=trials,
+                minutes=kw.pop("minutes", 5), output=tmp_path / "cpu.json", study_path=tmp_path / "studies.db",
+                show_progress=False, final_rounds=kw.pop("final_rounds", 0), **kw)  # fmt: skip
 
 
 def test_tuner_beats_the_default_and_writes_a_cache_entry(tmp_path):
@@ -120,6 +122,49 @@ def test_resume_continues_the_study_without_rerunning(tmp_path):
     done = {tuple(sorted(c.items())) for c in first.configured}
     assert not done & {tuple(sorted(c.items())) for c in second.configured}
     assert dict(ADAMW.default_config) not in second.configured  # not enqueued again
+
+
+def test_previous_cache_config_is_tried_second_whatever_its_template_version(tmp_path):
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    prior = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "num_stages": 2}
+    entry = {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": 512, "config": prior}
+    (tmp_path / "cpu.json").write_text(json.dumps({"schema": 1, "template_hashes": {"adamw": "old"},
+                                                   "entries": [entry]}))  # fmt: skip
+    _tune(task, tmp_path, trials=3)
+    assert task.configured[:2] == [dict(ADAMW.default_config), prior]
+
+
+def _timer_with_bias(bias):
+    """The fake timer, plus ``bias(config, nth)`` ms on the nth (0-based) timing of a config."""
+    counts: dict = {}
+
+    def biased(task):
+        key = tuple(sorted(task.config.items()))
+        t = fake_ms(task.config) + bias(task.config, counts.get(key, 0))
+        counts[key] = counts.get(key, 0) + 1
+        return t * 0.95, t, t * 1.05
+
+    return biased
+
+
+def test_paired_timing_corrects_a_slow_first_timing_of_the_default(tmp_path):
+    is_default = lambda c: c == dict(ADAMW.default_config)  # noqa: E731
+    slow_start = _timer_with_bias(lambda c, n: 5.0 if is_default(c) and n == 0 else 0.0)
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    (result,) = _tune(task, tmp_path, trials=10, timer=slow_start, final_rounds=3)
+    assert result.default_p50 == fake_ms(ADAMW.default_config)  # not the warm-up timing
+    assert result.best_times[1] == fake_ms(result.best) < result.default_p50
+
+
+def test_a_winner_that_was_only_lucky_loses_to_the_default(tmp_path):
+    # Every config but the default looks 100 ms faster the first time it is timed, slower after.
+    lucky = _timer_with_bias(lambda c, n: 0.0 if c == dict(ADAMW.default_config) else (-100.0 if n == 0 else 100.0))
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    (result,) = _tune(task, tmp_path, trials=5, timer=lucky, final_rounds=3)
+    assert result.best == dict(ADAMW.default_config)
+    assert result.best_times[1] == result.default_p50 == fake_ms(ADAMW.default_config)
+    entry = json.loads((tmp_path / "cpu.json").read_text())["entries"][0]
+    assert entry["config"] == dict(ADAMW.default_config)
 
 
 def test_budget_stops_the_study(tmp_path):

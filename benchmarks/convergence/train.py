@@ -211,11 +211,12 @@ def _plot(results: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def save_run(result: dict, rc: RunConfig, corpus_name: str, out: Path, tag: str) -> None:
-    """Keep one optimizer's finished run (a run may be split over several invocations)."""
+def save_run(result: dict, rc: RunConfig, corpus_name: str, out: Path, tag: str, command: str) -> None:
+    """Keep one optimizer's finished run, with the command that made it (the table may merge
+    runs from several invocations)."""
     runs = out / f"convergence_{tag}"
     runs.mkdir(parents=True, exist_ok=True)
-    record = dict(result, run_config=asdict(rc), corpus=corpus_name)
+    record = dict(result, run_config=asdict(rc), corpus=corpus_name, command=command)
     (runs / f"{result['optimizer']}.json").write_text(json.dumps(record) + "\n")
 
 
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
     for spec in specs:
         t0 = time.perf_counter()
         result = train_one(spec, corpus, rc, device, progress=not args.no_progress)
-        save_run(result, rc, args.data.name, args.out, size)
+        save_run(result, rc, args.data.name, args.out, size, nox_command("convergence", argv))
         print(f"{spec.name}: final val loss {result['final_val']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     results = load_runs(rc, args.data.name, args.out, size, list(REGISTRY))
     names = [r["optimizer"] for r in results]
@@ -257,10 +258,11 @@ def main(argv=None) -> int:
             notes.append(f"{OURS} vs {peer}: largest relative train-loss difference over all steps "
                          f"{loss_agreement(results, OURS, peer):.2e}")  # fmt: skip
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    commands = list(dict.fromkeys(r.get("command", "(not recorded)") for r in results))
     header = (f"Convergence ({size} size, {results[0]['params'] / 1e6:.2f}M parameters, {rc.steps} steps, "
               f"batch {rc.batch_size}x{rc.block_size} chars of {args.data.name}, 90/10 split, seed {rc.seed}, "
               f"peak lr {rc.lr}, warm-up + cosine) on {where}, torch {torch.__version__}. "
-              f"Command: `{nox_command('convergence', argv)}`")  # fmt: skip
+              f"Commands: {'; '.join(f'`{c}`' for c in commands)}")  # fmt: skip
     title = (f"{results[0]['params'] / 1e6:.1f}M-parameter char model, {rc.steps} steps on {args.data.name} "
              f"({where})")  # fmt: skip
     write_results(results, notes, args.out, size, header, title)
