@@ -6,14 +6,18 @@ import torch
 
 
 def llama_param_shapes(
-    dim: int = 768, layers: int = 12, ffn: int = 2048, vocab: int = 32000
+    dim: int = 768, layers: int = 12, ffn: int = 2048, vocab: int = 32000, n_heads: int = 12,
+    n_kv_heads: int | None = None, head_dim: int | None = None,
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of a Llama-style decoder: 134.2M parameters in 111 tensors by default,
-    84 of them hidden matrices (q, k, v, o, gate, up, down per layer)."""
+    """(name, shape) of a Llama-style decoder: 134.1M parameters in 111 tensors by default,
+    84 of them hidden matrices (q, k, v, o, gate, up, down per layer); grouped-query
+    attention through ``n_kv_heads``, and a ``head_dim`` other than dim // n_heads."""
+    hd, kv = head_dim or dim // n_heads, n_kv_heads or n_heads
     shapes = [("embed_tokens.weight", (vocab, dim))]
     for i in range(layers):
         pre = f"layers.{i}."
-        shapes += [(pre + f"self_attn.{n}_proj.weight", (dim, dim)) for n in "qkvo"]
+        attn = {"q": (n_heads * hd, dim), "k": (kv * hd, dim), "v": (kv * hd, dim), "o": (dim, n_heads * hd)}
+        shapes += [(pre + f"self_attn.{n}_proj.weight", shape) for n, shape in attn.items()]
         shapes += [(pre + "mlp.gate_proj.weight", (ffn, dim)), (pre + "mlp.up_proj.weight", (ffn, dim)),
                    (pre + "mlp.down_proj.weight", (dim, ffn))]  # fmt: skip
         shapes += [(pre + "input_layernorm.weight", (dim,)), (pre + "post_attention_layernorm.weight", (dim,))]
@@ -41,3 +45,7 @@ class ShapeModel(torch.nn.Module):
             torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=dtype))
             for _, shape in shapes
         )
+
+    def named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) pairs under the names given, for optimizers that partition by name."""
+        return list(zip(self.names, self.params, strict=True))

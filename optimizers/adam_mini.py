@@ -1,0 +1,224 @@
+"""Adam-mini with FP8 momentum: one second moment per Hessian block, ~1 byte of state per param.
+
+    opt = AdamMini(model.named_parameters(), lr=3e-4, weight_decay=0.1,
+                   dim=768, n_heads=12, n_kv_heads=4)
+    print(format_table(opt.partition_table()))
+    opt.step(); opt.telemetry.summary()
+
+See ``adam_mini_partition`` for the blocks, ``adam_mini_reference`` for the math (adam-mini
+1.1.1's) and ``fp8_momentum`` for the FP8 storage and its BF16 fallback.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from .adam_mini_partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
+from .adam_mini_reference import adam_mini_reference_step
+from .checks import check_adam_hyperparameters, check_param_grad
+from .fp8_momentum import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
+from .telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
+
+MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+TELEMETRY = {"fp8_blocks": STEP_SUM, "bf16_blocks": STEP_SUM, "fallback_total": TOTAL, "overflow_total": TOTAL,
+             "amax_update": STEP_MAX}  # fmt: skip
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 momentum needs a CUDA GPU with FP8 conversions (sm89 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _named_groups(named_parameters) -> list[dict]:
+    """Accept (name, param) pairs or param-group dicts whose "params" are such pairs."""
+    items = list(named_parameters)
+    if not items:
+        raise ValueError("optimizer got an empty parameter list")
+    if all(isinstance(i, dict) for i in items):
+        groups = [dict(g, params=list(g["params"])) for g in items]
+    else:
+        groups = [{"params": items}]
+    for g in groups:
+        for pair in g["params"]:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                    and isinstance(pair[1], Tensor)):  # fmt: skip
+                raise TypeError("AdamMini takes named parameters: model.named_parameters(), or groups "
+                                f"whose 'params' are (name, tensor) pairs; got {type(pair).__name__}")  # fmt: skip
+    return groups
+
+
+class AdamMini(torch.optim.Optimizer):
+    """Adam-mini (arXiv:2406.16793) with fp32, bf16 or FP8 (E4M3, per-sub-block scales) momentum.
+
+    Args:
+        named_parameters: ``model.named_parameters()``, or param groups (dicts) whose
+            ``params`` are (name, tensor) pairs; fp32/bf16/fp16 tensors.
+        lr, betas, eps, weight_decay: as adam-mini 1.1.1 (decoupled decay; parameters named
+            norm/ln/bias do not decay).
+        dim, n_heads, n_kv_heads (GQA; default n_heads), head_dim (default dim // n_heads):
+            the attention geometry the Q/K per-head blocks follow.
+        momentum_dtype: "fp8" (default; bf16 with one warning on CPU and GPUs before sm89),
+            "bf16" or "fp32".
+        name_rules: ``NameRules`` (adam-mini 1.1.1's name lists by default), extendable.
+        qkv_split: rows of Q, K, V in a fused QKV weight (default from the geometry).
+        sub_block: FP8 scale granularity, 128 or 256 elements inside a row.
+        fallback_capacity: fraction of FP8 sub-blocks that may fall back to bf16 per step.
+        verbose: print the partition table.
+
+    State per parameter: ``step`` (0-d fp32), ``exp_avg`` (the parameter's shape, momentum
+    dtype; FP8 adds ``exp_avg_scale``, ``exp_avg_pool``, ``exp_avg_pool_used``) and
+    ``exp_avg_sq`` (fp32, one value per block; per element for plain-Adam biases).
+    """
+
+    backend: str | None = None  # "torch" pins the reference path
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, Tensor]] | Iterable[dict],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        momentum_dtype: str = "fp8",
+        name_rules: NameRules | None = None,
+        qkv_split: tuple[int, int, int] | None = None,
+        sub_block: int = 128,
+        fallback_capacity: float = FALLBACK_CAPACITY,
+        verbose: bool = False,
+    ) -> None:
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if momentum_dtype not in MOMENTUM_DTYPES:
+            raise ValueError(f"momentum_dtype must be one of {sorted(MOMENTUM_DTYPES)}, got {momentum_dtype!r}")
+        if sub_block not in SUB_BLOCKS:
+            raise ValueError(f"sub_block must be one of {SUB_BLOCKS}, got {sub_block!r}")
+        if not 0.0 < fallback_capacity <= 1.0:
+            raise ValueError(f"fallback_capacity must be in (0, 1], got {fallback_capacity!r}")
+        self.model_shape = ModelShape(dim, n_heads, n_kv_heads, head_dim)
+        self.momentum_dtype, self.sub_block, self.fallback_capacity = momentum_dtype, sub_block, fallback_capacity
+        groups = _named_groups(named_parameters)
+        self.partition = build_partition([pair for g in groups for pair in g["params"]], self.model_shape,
+                                         name_rules, qkv_split)  # fmt: skip
+        parts = iter(self.partition.params)
+        self._parts: dict[int, ParamPartition] = {}
+        split_groups = []
+        for g in groups:
+            decay, no_decay = [], []
+            for name, p in g["params"]:
+                part = next(parts)
+                self._parts[id(p)] = part
+                (decay if part.weight_decay else no_decay).append((name, p))
+            extra = {k: v for k, v in g.items() if k != "params"}
+            split_groups += [dict(extra, params=decay)] if decay else []
+            split_groups += [dict(extra, params=no_decay, weight_decay=0.0)] if no_decay else []
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(split_groups, defaults)
+        for g in self.param_groups:
+            check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        self.telemetry = Telemetry(TELEMETRY)
+        unmatched = self.partition.unmatched()
+        if unmatched:
+            _warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "
+                       "to change that)")  # fmt: skip
+        if verbose:
+            print(format_table(self.partition_table()))
+
+    def partition_table(self) -> list[tuple]:
+        """Rows (name, shape, kind, blocks, momentum dtype), one per parameter."""
+        rows = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                part = self._parts[id(p)]
+                kind = part.kind if part.matched else "whole (unmatched)"
+                rows.append((part.name, part.shape, kind, part.blocks, self._momentum_name(p)))
+        return rows
+
+    def _momentum_name(self, p: Tensor) -> str:
+        if self.momentum_dtype == "fp8" and not fp8_supported(p.device):
+            return "bf16"
+        return self.momentum_dtype
+
+    def _init_state(self, p: Tensor, part: ParamPartition) -> dict:
+        state = self.state[p]
+        if "step" in state:
+            return state
+        momentum = self._momentum_name(p)
+        if momentum != self.momentum_dtype:
+            _warn_once(f"AdamMini: FP8 momentum needs a CUDA GPU of sm89 or later; {p.device} tensors keep "
+                       "bf16 momentum")  # fmt: skip
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        if momentum == "fp8":
+            state.update(new_fp8_state(p.shape, part.rows, part.cols, p.device, self.sub_block,
+                                       self.fallback_capacity))  # fmt: skip
+        else:
+            state["exp_avg"] = torch.zeros_like(p, dtype=MOMENTUM_DTYPES[momentum],
+                                                memory_format=torch.contiguous_format)  # fmt: skip
+        sq_shape = p.shape if part.kind == "adam" else (part.blocks,)
+        state["exp_avg_sq"] = torch.zeros(sq_shape, dtype=torch.float32, device=p.device)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader, then every state tensor back in its saved dtype (torch casts floating
+        state to the parameter dtype, which would turn FP8 momentum and fp32 scales into bf16)."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, saved in state_dict["state"].items():
+            p = params[index]
+            for key, value in saved.items():
+                if isinstance(value, Tensor):
+                    self.state[p][key] = value.to(p.device, copy=True).contiguous()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One Adam-mini update of every parameter that has a grad. Returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        with self.telemetry.step():
+            for group in self.param_groups:
+                beta1, beta2 = (float(b) for b in group["betas"])
+                lr = float(group["lr"])
+                for p in group["params"]:
+                    index += 1
+                    if p.grad is None:
+                        continue
+                    check_param_grad(index - 1, p, p.grad)
+                    part = self._parts[id(p)]
+                    state = self._init_state(p, part)
+                    out = adam_mini_reference_step(p, p.grad, state, part, lr=lr, beta1=beta1, beta2=beta2,
+                                                   eps=group["eps"], weight_decay=group["weight_decay"])  # fmt: skip
+                    self._record(p, part, state, out)
+        return loss
+
+    def _record(self, p: Tensor, part: ParamPartition, state: dict, out: dict[str, Tensor]) -> None:
+        t = self.telemetry
+        t.add("amax_update", out["amax_update"])
+        if state["exp_avg"].dtype == torch.float8_e4m3fn:
+            per_row, _ = fp8_layout(part.rows, part.cols, self.sub_block, self.fallback_capacity)
+            t.add("bf16_blocks", out["bf16_blocks"])
+            t.add("fp8_blocks", part.rows * per_row - out["bf16_blocks"])
+            t.add("fallback_total", out["bf16_blocks"])
+            t.add("overflow_total", out["overflow"])
+
+
+class ReferenceAdamMini(AdamMini):
+    """AdamMini pinned to the pure-PyTorch reference (the parity oracle)."""
+
+    backend = "torch"

@@ -1,0 +1,86 @@
+"""Optimizer telemetry: counters that live on the device and are read only when asked.
+
+Any optimizer owns a ``Telemetry`` and, inside ``step()``, adds to its counters with tensor
+ops (``add``, ``max``) on the device: nothing synchronises until ``summary()`` is called.
+Step time is measured with CUDA events around ``step()`` when ``time_steps`` is on.
+
+    opt.telemetry.summary()      # {'steps': 10, 'fp8_blocks': ..., 'step_ms_mean': ...}
+    print(opt.telemetry.table())
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+# How each counter combines: summed over parameters and all steps so far, or over the
+# parameters of the last step only (summed, or the maximum).
+TOTAL, STEP_SUM, STEP_MAX = "total", "step_sum", "step_max"
+
+
+class Telemetry:
+    """Named device counters; ``kinds`` maps each name to TOTAL, STEP_SUM or STEP_MAX."""
+
+    def __init__(self, kinds: dict[str, str], time_steps: bool = False) -> None:
+        self.kinds = dict(kinds)
+        self.time_steps = time_steps
+        self._values: dict[str, Tensor] = {}
+        self._step_values: dict[str, Tensor] = {}
+        self._events: list[tuple] = []
+        self.steps = 0
+
+    def _slot(self, store: dict, name: str, like: Tensor) -> Tensor:
+        t = store.get(name)
+        if t is None or t.device != like.device:
+            t = store[name] = torch.zeros((), dtype=torch.float64, device=like.device)
+        return t
+
+    def add(self, name: str, value: Tensor) -> None:
+        """Fold one parameter's ``value`` (0-d tensor) of this step into counter ``name``."""
+        kind = self.kinds[name]
+        slot = self._slot(self._values if kind == TOTAL else self._step_values, name, value)
+        if kind == STEP_MAX:
+            torch.maximum(slot, value.detach().to(slot.dtype), out=slot)
+        else:
+            slot.add_(value.detach().to(slot.dtype))
+
+    @contextmanager
+    def step(self, device: torch.device | None = None):
+        """Wrap one optimizer step: resets the per-step counters, counts the step, times it."""
+        for t in self._step_values.values():
+            t.zero_()
+        timed = self.time_steps and device is not None and device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        yield self
+        if timed:
+            end.record()
+            self._events.append((start, end))
+        self.steps += 1
+
+    def summary(self) -> dict[str, float]:
+        """Every counter as a Python number (this synchronises), plus step timing if on."""
+        out: dict[str, float] = {"steps": self.steps}
+        for name in self.kinds:
+            t = self._values.get(name, self._step_values.get(name))
+            out[name] = float(t) if t is not None else 0.0
+        if self._events:
+            ms = [s.elapsed_time(e) for s, e in self._events]
+            out["step_ms_mean"] = sum(ms) / len(ms)
+            out["step_ms_last"] = ms[-1]
+        return out
+
+    def table(self) -> str:
+        """``summary()`` as two aligned columns."""
+        items = self.summary()
+        width = max(map(len, items))
+        return "\n".join(f"{k:<{width}}  {v:g}" for k, v in items.items())
+
+    def reset(self) -> None:
+        self._values.clear()
+        self._step_values.clear()
+        self._events.clear()
+        self.steps = 0
