@@ -46,7 +46,36 @@ ADAMW = KernelFamily(
     is_legal=_adamw_is_legal,
 )
 
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW,)}
+def _adam_mini_is_legal(c: Mapping[str, int]) -> bool:
+    # A program holds a ROWS x COLS tile of p, g and m (plus the FP8 sub-block statistics):
+    # 4 to 32 fp32 elements per thread stream stays in registers; COLS covers whole FP8
+    # sub-blocks of 256 (so 128 too).
+    per_thread = c["ROWS"] * c["COLS"] // (32 * c["num_warps"])
+    return c["COLS"] % 256 == 0 and 4 <= per_thread <= 32
+
+
+ADAM_MINI = KernelFamily(
+    name="adam_mini",
+    template="adam_mini.py.j2",
+    description="fused Adam-mini step: block second moments, fp32/bf16/FP8 momentum with BF16 fallback",
+    axes={
+        "multi_tensor": (True, False),  # the single-tensor variant serves the interpreter
+        "param_dtype": _FLOAT_DTYPES,
+        "momentum": ("float8e4nv", "bfloat16", "float32"),
+    },
+    tuning_axes=("multi_tensor", "momentum"),
+    tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list
+    # Default: one 1024-wide tile per row (the 134M list's rows are 768 or 2048 long).
+    tunables=(
+        Tunable("ROWS", 2, (1, 2, 4, 8)),
+        Tunable("COLS", 1024, (256, 512, 1024, 2048, 4096)),
+        Tunable("num_warps", 4, (1, 2, 4, 8, 16)),
+        Tunable("num_stages", 1, (1, 2, 3)),
+    ),
+    is_legal=_adam_mini_is_legal,
+)
+
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW, ADAM_MINI)}
 
 
 def get_family(name: str) -> KernelFamily:

@@ -17,8 +17,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from kernel_factory.generator import backend_mode, interpreter_enabled, triton_available
+
 from .adam_mini_partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
+from .adam_mini_plan import AdamMiniTritonPlan
 from .adam_mini_reference import adam_mini_reference_step
+from .adam_plan import TRITON_DTYPES
 from .checks import check_adam_hyperparameters, check_param_grad
 from .fp8_momentum import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
@@ -131,6 +135,7 @@ class AdamMini(torch.optim.Optimizer):
         for g in self.param_groups:
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self.telemetry = Telemetry(TELEMETRY)
+        self._plans: dict[int, tuple] = {}
         unmatched = self.partition.unmatched()
         if unmatched:
             _warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "
@@ -182,6 +187,45 @@ class AdamMini(torch.optim.Optimizer):
             for key, value in saved.items():
                 if isinstance(value, Tensor):
                     self.state[p][key] = value.to(p.device, copy=True).contiguous()
+        self._plans = {}  # the plans' pointer tables point at the replaced tensors
+
+    def _path(self, p: Tensor) -> str:
+        """"triton" or "reference" for this parameter (KERNEL_FACTORY_BACKEND or ``backend``)."""
+        mode = self.backend or backend_mode()
+        if mode == "torch" or p.dtype not in TRITON_DTYPES or not p.is_contiguous():
+            return "reference"
+        if p.device.type == "cpu":
+            if mode != "triton":
+                return "reference"
+            if not interpreter_enabled():
+                raise RuntimeError("KERNEL_FACTORY_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1 set "
+                                   "before triton is imported (or use CUDA tensors)")  # fmt: skip
+            return "triton"
+        if p.device.type != "cuda":
+            return "reference"
+        if not triton_available():
+            _warn_once("AdamMini: triton is not installed; CUDA tensors take the PyTorch reference path")
+            return "reference"
+        return "triton"
+
+    def _group_plan(self, index: int, params: list[Tensor]) -> tuple[list, list[Tensor]]:
+        """(Triton plans, reference params) of one group's params with grads, built once per set."""
+        key = tuple(map(id, params))
+        cached = self._plans.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        buckets: dict[tuple, list[Tensor]] = {}
+        reference = []
+        for p in params:
+            state = self._init_state(p, self._parts[id(p)])
+            if self._path(p) == "reference":
+                reference.append(p)
+            else:
+                buckets.setdefault((p.device, p.dtype, state["exp_avg"].dtype), []).append(p)
+        plans = [AdamMiniTritonPlan(ps, [self.state[p] for p in ps], [self._parts[id(p)] for p in ps],
+                                    self.sub_block, self.fallback_capacity) for ps in buckets.values()]  # fmt: skip
+        self._plans[index] = (key, plans, reference)
+        return plans, reference
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -190,32 +234,38 @@ class AdamMini(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = 0
-        with self.telemetry.step():
-            for group in self.param_groups:
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        with self.telemetry.step(first.device if first is not None else None):
+            for index, group in enumerate(self.param_groups):
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                plans, reference = self._group_plan(index, params)
+                for plan in plans:
+                    checked = lambda ps=plan.params: [check_param_grad(i, p, p.grad) or p.grad  # noqa: E731
+                                                      for i, p in enumerate(ps)]  # fmt: skip
+                    bf16, overflow, amax = plan.run(group, checked)
+                    self._record_counts(plan.sub_blocks, bf16, overflow, amax, plan.fp8)
                 beta1, beta2 = (float(b) for b in group["betas"])
-                lr = float(group["lr"])
-                for p in group["params"]:
-                    index += 1
-                    if p.grad is None:
-                        continue
-                    check_param_grad(index - 1, p, p.grad)
+                for i, p in enumerate(reference):
+                    check_param_grad(i, p, p.grad)
                     part = self._parts[id(p)]
-                    state = self._init_state(p, part)
-                    out = adam_mini_reference_step(p, p.grad, state, part, lr=lr, beta1=beta1, beta2=beta2,
-                                                   eps=group["eps"], weight_decay=group["weight_decay"])  # fmt: skip
-                    self._record(p, part, state, out)
+                    out = adam_mini_reference_step(p, p.grad, self.state[p], part, lr=float(group["lr"]),
+                                                   beta1=beta1, beta2=beta2, eps=group["eps"],
+                                                   weight_decay=group["weight_decay"])  # fmt: skip
+                    fp8 = self.state[p]["exp_avg"].dtype == torch.float8_e4m3fn
+                    sub_blocks = part.rows * fp8_layout(part.rows, part.cols, self.sub_block, 1.0)[0]
+                    self._record_counts(sub_blocks, out["bf16_blocks"], out["overflow"], out["amax_update"], fp8)
         return loss
 
-    def _record(self, p: Tensor, part: ParamPartition, state: dict, out: dict[str, Tensor]) -> None:
+    def _record_counts(self, sub_blocks: int, bf16: Tensor, overflow: Tensor, amax: Tensor, fp8: bool) -> None:
         t = self.telemetry
-        t.add("amax_update", out["amax_update"])
-        if state["exp_avg"].dtype == torch.float8_e4m3fn:
-            per_row, _ = fp8_layout(part.rows, part.cols, self.sub_block, self.fallback_capacity)
-            t.add("bf16_blocks", out["bf16_blocks"])
-            t.add("fp8_blocks", part.rows * per_row - out["bf16_blocks"])
-            t.add("fallback_total", out["bf16_blocks"])
-            t.add("overflow_total", out["overflow"])
+        t.add("amax_update", amax)
+        if fp8:
+            t.add("bf16_blocks", bf16)
+            t.add("fp8_blocks", sub_blocks - bf16)
+            t.add("fallback_total", bf16)
+            t.add("overflow_total", overflow)
 
 
 class ReferenceAdamMini(AdamMini):

@@ -3,7 +3,7 @@
 Adam-mini (Zhang et al. 2024, arXiv:2406.16793) keeps one second-moment value per block of
 the Hessian's near-block-diagonal structure. Every block here is a run of whole rows of the
 parameter viewed as a matrix (rows = shape[0], cols = numel // rows; a 1-D tensor is one row),
-so a block is contiguous in memory and a kernel reads it as rows:
+so a block is contiguous in memory and a kernel reads it as rows (a vector is one row):
 
 - ``head``:  Q and K, one block per attention head (``head_dim`` rows);
 - ``row``:   V, attention output, MLP, embeddings and lm_head, one block per row (output
@@ -105,7 +105,7 @@ class ParamPartition:
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
+        return self.shape[0] if len(self.shape) >= 2 else 1  # a vector is one row
 
     @property
     def cols(self) -> int:
@@ -164,7 +164,7 @@ def partition_param(name: str, p: Tensor, shape: ModelShape, rules: NameRules,
     """The partition of one named parameter (see the module docstring for the rules)."""
     lower = name.lower()
     dims = tuple(p.shape)
-    rows = dims[0] if dims else 1
+    rows = dims[0] if len(dims) >= 2 else 1  # a vector is one row
     decay = not _has(lower, rules.no_decay)
     make = lambda kind, segs, matched=True: ParamPartition(name, dims, kind, tuple(segs), decay, matched)  # noqa: E731
     if _has(lower, rules.adam):

@@ -40,6 +40,7 @@ from kernel_factory.generator import (
 )
 
 from .checks import check_param_grad
+from .grad_table import GradTable
 from .reference import adam_reference_step
 
 TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -235,13 +236,7 @@ class TritonMultiTensor(TritonBucket):
         self.exp_avg_table = as_table(self.exp_avgs)
         self.exp_avg_sq_table = as_table(self.exp_avg_sqs)
         self.max_table = as_table(self.max_exp_avg_sqs) if self.max_exp_avg_sqs else self.exp_avg_sq_table
-        self._grad_ptrs: list[int] | None = None
-        self._grad_keep: list[Tensor] = []
-        # Grad addresses go host -> device through one pinned buffer; the event says when
-        # the last copy out of it finished, so it is never rewritten under a pending copy.
-        self._grad_table = torch.empty(len(self.params), dtype=torch.int64, device=dev)
-        self._grad_host = torch.empty(len(self.params), dtype=torch.int64, pin_memory=True)
-        self._grad_copied = torch.cuda.Event()
+        self._grads = GradTable(dev, len(self.params))
 
     def configure(self, config) -> None:
         super().configure(config)
@@ -254,33 +249,13 @@ class TritonMultiTensor(TritonBucket):
         self.n_work = self.work.shape[0]
         self.nchunks = nchunks.to(torch.int32).to(self.device)
 
-    def _upload_grads(self, ptrs: list[int]) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "gradient addresses changed while a CUDA graph is being captured: run a few "
-                "eager steps (warm-up) with the same static gradients before capturing"
-            )
-        grads = self.grads()
-        keep = [g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.contiguous().clone()
-                for g in grads]  # fmt: skip
-        self._grad_copied.synchronize()  # the previous upload (long done in practice)
-        self._grad_host.copy_(torch.tensor([g.data_ptr() for g in keep], dtype=torch.int64))
-        self._grad_table.copy_(self._grad_host, non_blocking=True)
-        self._grad_copied.record()
-        copied = any(k is not g for k, g in zip(keep, grads, strict=True))
-        # A copied grad holds this step's values only: never reuse its table.
-        self._grad_ptrs = None if copied else ptrs
-        self._grad_keep = keep if copied else []
-
     def run(self, h, grad_scale, found_inf):
         # Grads are validated when their addresses change (a new grad tensor), not every step.
-        ptrs = [p.grad.data_ptr() for p in self.params]
-        if ptrs != self._grad_ptrs:
-            self._upload_grads(ptrs)
+        grad_table = self._grads.update(self.params, self.grads)
         kernel = self.kernel(grad_scale is not None or found_inf is not None)
         gs, fi = self.scaler_args(grad_scale, found_inf)
         kernel[(self.n_work,)](
-            self.work, self.numel, self.nchunks, self.param_table, self._grad_table,
+            self.work, self.numel, self.nchunks, self.param_table, grad_table,
             self.exp_avg_table, self.exp_avg_sq_table, self.max_table, self.steps, self.done,
             self.lr_tensor(h.lr), gs, fi, *h.kernel_scalars(), **self.config,
         )  # fmt: skip

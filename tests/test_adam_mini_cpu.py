@@ -8,29 +8,15 @@ import warnings
 
 import pytest
 import torch
+from mini_models import GEOMETRY, fresh_grads, gqa_model
 
 from kernel_factory.optimizers import AdamMini, NameRules
 from kernel_factory.optimizers.fp8_momentum import REL_ERROR_BOUND, dequantize, new_fp8_state, quantize_
 from kernel_factory.optimizers.parity import compare_tensors
-from kernel_factory.optimizers.workloads import ShapeModel, llama_param_shapes
 
-GEOMETRY = dict(dim=32, n_heads=4, n_kv_heads=2)  # GQA: K and V have 2 heads of 8 rows
 # Normwise relative bound of the issue; fp32 rounding differences (summation order of the
 # block means) stay near 1e-7 over 10 steps.
 TOL = 1e-5
-
-
-def gqa_model(seed: int = 0, **extra) -> ShapeModel:
-    shapes = llama_param_shapes(dim=32, layers=2, ffn=48, vocab=40, n_heads=4, n_kv_heads=2, **extra)
-    shapes.append(("layers.1.mlp.down_proj.bias", (32,)))  # plain-Adam block
-    return ShapeModel(shapes, seed=seed)
-
-
-def fresh_grads(*models) -> None:
-    for ps in zip(*(m.params for m in models), strict=True):
-        g = torch.randn_like(ps[0])
-        for p in ps:
-            p.grad = g.clone()
 
 
 def official(model, lr=1e-2, weight_decay=0.1):

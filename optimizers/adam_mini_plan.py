@@ -1,0 +1,126 @@
+"""Launch plans of the Triton Adam-mini kernel (kernel_templates/adam_mini.py.j2).
+
+A plan covers the parameters of one group that share a device, a dtype and a momentum dtype:
+it builds the work list once (one item per ROWS rows of per-row blocks and plain-Adam
+tensors, one per head or whole-tensor block), the pointer tables, and per-step telemetry
+buffers, and launches one kernel per step with no host synchronisation. CUDA tensors take the
+multi-tensor variant; CPU tensors under TRITON_INTERPRET=1 the single-tensor one, per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernel_factory.generator import ADAM_MINI, detect_arch, load, select
+
+from .adam_mini_partition import ParamPartition
+from .adam_plan import TRITON_DTYPES, _log2_pair
+from .fp8_momentum import fp8_layout
+from .grad_table import GradTable
+
+MOMENTUM_TRITON = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
+ROW, BLOCK, ADAM = 0, 1, 2  # item kinds, as the template numbers them
+
+
+def work_items(part: ParamPartition, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
+    """(tensor, first row, rows, first second-moment index, kind) for every item of ``part``."""
+    if part.kind == "adam":
+        return [(tensor, r, min(rows_per_item, part.rows - r), 0, ADAM) for r in range(0, part.rows, rows_per_item)]
+    items, vidx = [], 0
+    for s in part.segments:
+        if s.rows_per_block == 1:
+            for r in range(s.start, s.start + s.count, rows_per_item):
+                items.append((tensor, r, min(rows_per_item, s.start + s.count - r), vidx + r - s.start, ROW))
+        else:
+            items += [(tensor, s.start + b * s.rows_per_block, s.rows_per_block, vidx + b, BLOCK)
+                      for b in range(s.blocks)]  # fmt: skip
+        vidx += s.blocks
+    return items
+
+
+class AdamMiniTritonPlan:
+    """Params of one group with one (device, dtype, momentum dtype); see the module docstring."""
+
+    def __init__(self, params: list[Tensor], states: list[dict], parts: list[ParamPartition],
+                 sub_block: int, capacity: float) -> None:  # fmt: skip
+        self.params, self.states, self.parts = params, states, parts
+        self.device = params[0].device
+        self.multi_tensor = self.device.type == "cuda"
+        momentum = states[0]["exp_avg"].dtype
+        self.fp8 = momentum == torch.float8_e4m3fn
+        self.variant = ADAM_MINI.variant(multi_tensor=self.multi_tensor, param_dtype=TRITON_DTYPES[params[0].dtype],
+                                         momentum=MOMENTUM_TRITON[momentum])  # fmt: skip
+        self.kernel = load(ADAM_MINI, self.variant).adam_mini_kernel
+        self.sub_block = sub_block
+        layouts = [fp8_layout(q.rows, q.cols, sub_block, capacity) for q in parts]
+        self.meta_rows = [(q.cols, nsub, cap) for q, (nsub, cap) in zip(parts, layouts, strict=True)]
+        self.sub_blocks = sum(q.rows * nsub for q, (nsub, _) in zip(parts, layouts, strict=True)) if self.fp8 else 0
+        dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._dummy = dummy
+        self.done = torch.zeros(len(params), dtype=torch.int32, device=self.device)
+        self.tel_count = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self.tel_amax = torch.zeros(1, dtype=torch.float32, device=self.device)
+        arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
+        total = sum(p.numel() for p in params)
+        self.configure(select(ADAM_MINI, arch, self.variant, self.variant["param_dtype"], total))
+        if self.multi_tensor:
+            self._grads = GradTable(self.device, len(params))
+            self._tables = [self._table(key) for key in ("p", "m", "scale", "pool", "used", "v", "step")]
+            base = self.done.data_ptr()
+            self._done_table = torch.tensor([base + 4 * i for i in range(len(params))], dtype=torch.int64,
+                                            device=self.device)  # fmt: skip
+
+    def _tensor(self, i: int, key: str) -> Tensor:
+        state = self.states[i]
+        name = {"p": None, "m": "exp_avg", "scale": "exp_avg_scale", "pool": "exp_avg_pool",
+                "used": "exp_avg_pool_used", "v": "exp_avg_sq", "step": "step"}[key]  # fmt: skip
+        if name is None:
+            return self.params[i]
+        return state.get(name, self._dummy) if key in ("scale", "pool", "used") else state[name]
+
+    def _table(self, key: str) -> Tensor:
+        ptrs = [self._tensor(i, key).data_ptr() for i in range(len(self.params))]
+        return torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+
+    def configure(self, config) -> None:
+        """Launch with ``config`` from now on (the tuner and benchmarks try configs this way)."""
+        self.config = dict(ADAM_MINI.check_config(config))
+        rows = self.config["ROWS"]
+        per_tensor = [work_items(q, i, rows) for i, q in enumerate(self.parts)]
+        self.items = [torch.tensor(its, dtype=torch.int32, device=self.device).view(-1, 5) for its in per_tensor]
+        meta = [(*m, len(its)) for m, its in zip(self.meta_rows, per_tensor, strict=True)]
+        self.meta = torch.tensor(meta, dtype=torch.int32, device=self.device)
+        self._all_items = torch.cat(self.items) if self.multi_tensor else None
+
+    def _scalars(self, group: dict) -> tuple[float, ...]:
+        b1, b2 = (float(b) for b in group["betas"])
+        lr = float(group["lr"])
+        decay = 1.0 - lr * float(group["weight_decay"])
+        return (lr, b2, 1.0 - b1, 1.0 - b2, *_log2_pair(b1), *_log2_pair(b2), float(group["eps"]), decay)
+
+    def run(self, group: dict, checked_grads) -> tuple[Tensor, Tensor, Tensor]:
+        """One step. Returns this step's (bf16 sub-blocks, overflows, max |update|) as device
+        tensors; ``checked_grads()`` returns the grads validated."""
+        self.tel_count.zero_()
+        self.tel_amax.zero_()
+        scalars = self._scalars(group)
+        launch = dict(ROWS=self.config["ROWS"], COLS=self.config["COLS"], SUB=self.sub_block,
+                      num_warps=self.config["num_warps"], num_stages=self.config["num_stages"])  # fmt: skip
+        if self.multi_tensor:
+            p_t, m_t, s_t, pool_t, used_t, v_t, step_t = self._tables
+            g_t = self._grads.update(self.params, checked_grads)
+            self.kernel[(self._all_items.shape[0],)](
+                self._all_items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t, self._done_table,
+                self.tel_count, self.tel_amax, *scalars, **launch,
+            )  # fmt: skip
+        else:
+            grads = checked_grads()
+            for i, p in enumerate(self.params):
+                cols, nsub, cap = self.meta_rows[i]
+                self.kernel[(self.items[i].shape[0],)](
+                    self.items[i], p, grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
+                    "used", "v", "step")), self.done[i:], self.tel_count, self.tel_amax, cols, nsub, cap,
+                    self.items[i].shape[0], *scalars, **launch,
+                )  # fmt: skip
+        return self.tel_count[0], self.tel_count[1], self.tel_amax[0]

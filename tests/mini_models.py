@@ -1,0 +1,24 @@
+"""Llama-style named models for the Adam-mini tests of every tier."""
+
+from __future__ import annotations
+
+import torch
+
+from kernel_factory.optimizers.workloads import ShapeModel, llama_param_shapes
+
+GEOMETRY = dict(dim=32, n_heads=4, n_kv_heads=2)  # GQA: K and V have 2 heads of 8 rows
+
+
+def gqa_model(seed: int = 0, dtype=torch.float32, device="cpu", **extra) -> ShapeModel:
+    """Two layers, dim 32, ffn 48, vocab 40, GQA 4/2 heads, and one bias (a plain-Adam block)."""
+    shapes = llama_param_shapes(dim=32, layers=2, ffn=48, vocab=40, n_heads=4, n_kv_heads=2, **extra)
+    shapes.append(("layers.1.mlp.down_proj.bias", (32,)))
+    return ShapeModel(shapes, dtype=dtype, device=device, seed=seed)
+
+
+def fresh_grads(*models) -> None:
+    """The same fresh N(0, 1) gradient on the matching parameters of every model."""
+    for ps in zip(*(m.params for m in models), strict=True):
+        g = torch.randn_like(ps[0])
+        for p in ps:
+            p.grad = g.clone()
