@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernel_factory.optimizers import AdamW
+from kernel_factory.optimizers import AdamMini, AdamW
 
 BETAS = (0.9, 0.95)
 NamedParams = list[tuple[str, Tensor]]
@@ -91,6 +91,14 @@ def _adam_mini(named, shape, lr, wd):
                      n_kv_heads=shape.n_kv_heads, verbose=False)  # fmt: skip
 
 
+def _ours_adam_mini(momentum: str):
+    def build(named, shape, lr, wd):
+        return AdamMini(named, lr=lr, betas=BETAS, weight_decay=wd, dim=shape.dim, n_heads=shape.n_heads,
+                        n_kv_heads=shape.n_kv_heads, momentum_dtype=momentum)  # fmt: skip
+
+    return build
+
+
 def _torchao(cls_name: str):
     def build(named, shape, lr, wd):
         import torchao.optim
@@ -122,6 +130,8 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       lambda n, s, lr, wd: AdamW(_tensors(n), lr=lr, betas=BETAS, weight_decay=wd), capturable=True),
         OptimizerSpec("torch_adamw_fused", _torch_adamw(fused=True), capturable=True),
         OptimizerSpec("torch_adamw_foreach", _torch_adamw(foreach=True), capturable=True),
+        OptimizerSpec("kernel_factory_adam_mini", _ours_adam_mini("fp8"), capturable=True),
+        OptimizerSpec("kernel_factory_adam_mini_fp32", _ours_adam_mini("fp32"), capturable=True),
         OptimizerSpec("adam_mini", _adam_mini, module="adam_mini"),
         OptimizerSpec("torchao_adamw8bit", _torchao("AdamW8bit"), module="torchao", cuda_only=True),
         OptimizerSpec("torchao_adamw4bit", _torchao("AdamW4bit"), module="torchao", cuda_only=True),

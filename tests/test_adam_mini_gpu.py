@@ -1,0 +1,162 @@
+"""GPU tier of AdamMini: the multi-tensor kernel with fp32/FP8 momentum, the BF16 fallback,
+checkpoints, graph capture and the 134M list's state size (run with ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from mini_models import GEOMETRY, fresh_grads, gqa_model
+
+from kernel_factory.optimizers import AdamMini, ReferenceAdamMini
+from kernel_factory.optimizers.adam_mini_plan import AdamMiniTritonPlan
+from kernel_factory.optimizers.fp8_momentum import dequantize
+from kernel_factory.optimizers.parity import compare_tensors
+from kernel_factory.optimizers.workloads import SHAPE_SETS, ShapeModel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+# fp32: rounding only (block-mean summation order, fused multiply-adds). FP8: a last-bit
+# difference in m can flip one element's E4M3 rounding (one step of 2^-3 of that element),
+# rarely; the params move by lr times that. bf16 params round to 8 bits every step.
+TOL = {"fp32": 1e-6, "fp8": 1e-5, "bf16_params": 1e-2}
+
+
+def twins(momentum: str, dtype=torch.float32, **kw):
+    a = gqa_model(dtype=dtype, device="cuda")
+    b = copy.deepcopy(a)
+    kw = dict(lr=1e-2, weight_decay=0.1, momentum_dtype=momentum, **GEOMETRY, **kw)
+    return a, AdamMini(a.named(), **kw), b, ReferenceAdamMini(b.named(), **kw)
+
+
+def momentum(opt, p) -> torch.Tensor:
+    """The stored first moment as fp32 (FP8 dequantized)."""
+    s = opt.state[p]
+    if s["exp_avg"].dtype != torch.float8_e4m3fn:
+        return s["exp_avg"].float()
+    part = opt._parts[id(p)]
+    return dequantize(s, part.rows, part.cols, read_half=int(s["step"]) % 2).view(p.shape)
+
+
+def run_twins(a, ours, b, ref, steps: int) -> None:
+    for _ in range(steps):
+        fresh_grads(a, b)
+        ours.step()
+        ref.step()
+
+
+@pytest.mark.parametrize("mom", ["fp32", "fp8"])
+def test_multi_tensor_kernel_matches_the_reference(mom):
+    a, ours, b, ref = twins(mom)
+    run_twins(a, ours, b, ref, 10)
+    plans = [pl for _, pls, _ in ours._plans.values() for pl in pls]
+    assert plans and all(pl.multi_tensor for pl in plans) and all(isinstance(pl, AdamMiniTritonPlan) for pl in plans)
+    for (name, p), (_, q) in zip(a.named(), b.named(), strict=True):
+        row = compare_tensors(name, "param", p, q, TOL[mom])
+        assert row.passed, row
+        row = compare_tensors(name, "exp_avg", momentum(ours, p), momentum(ref, q), TOL[mom] * 100)
+        assert row.passed, row
+        assert compare_tensors(name, "exp_avg_sq", ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"],
+                               TOL[mom]).passed  # fmt: skip
+        assert float(ours.state[p]["step"]) == 10.0
+    s_ours, s_ref = ours.telemetry.summary(), ref.telemetry.summary()
+    assert s_ours["bf16_blocks"] == s_ref["bf16_blocks"] == 0  # N(0, 1) grads never need the fallback
+    assert s_ours["fp8_blocks"] == s_ref["fp8_blocks"]
+    assert s_ours["amax_update"] == pytest.approx(s_ref["amax_update"], rel=1e-4)
+
+
+def test_bf16_params_with_fp8_momentum():
+    a, ours, b, ref = twins("fp8", dtype=torch.bfloat16)
+    run_twins(a, ours, b, ref, 10)
+    for (name, p), (_, q) in zip(a.named(), b.named(), strict=True):
+        assert p.dtype == torch.bfloat16
+        row = compare_tensors(name, "param", p, q, TOL["bf16_params"])
+        assert row.passed, row
+
+
+def test_forced_underflow_falls_back_to_bf16_and_is_counted():
+    a, ours, b, ref = twins("fp8", fallback_capacity=1.0)
+    target = a.names.index("layers.0.mlp.up_proj.weight")  # 48 rows x 32 columns: one sub-block per row
+    for _ in range(2):
+        fresh_grads(a, b)
+        for m in (a, b):
+            g = m.params[target].grad
+            g.mul_(1e-6)
+            g[:, 0] = 1.0  # one element per sub-block 1e6 larger: the rest underflows E4M3
+        ours.step()
+        ref.step()
+        s = ours.telemetry.summary()
+        assert s["bf16_blocks"] == 48 == ref.telemetry.summary()["bf16_blocks"], s
+    assert s["fallback_total"] == 96 and s["overflow_total"] == 0
+    p, q = a.params[target], b.params[target]
+    m_true = momentum(ref, q)
+    assert bool((ours.state[p]["exp_avg_scale"] < 0).all())
+    row = compare_tensors("up_proj", "exp_avg", momentum(ours, p), m_true, 2**-8)  # bf16, not FP8
+    assert row.passed, row
+    # With the default capacity (1/1024 of the sub-blocks, at least one slot) the rest overflow.
+    a2, small, _, _ = twins("fp8")
+    fresh_grads(a2)
+    a2.params[target].grad.mul_(1e-6)[:, 0] = 1.0
+    small.step()
+    s = small.telemetry.summary()
+    assert (s["bf16_blocks"], s["overflow_total"]) == (1, 47)
+
+
+def test_fp8_state_dict_round_trip_and_continued_steps():
+    a, opt_a, _, _ = twins("fp8")
+    for _ in range(3):
+        fresh_grads(a)
+        opt_a.step()
+    buffer = io.BytesIO()
+    torch.save(opt_a.state_dict(), buffer)
+    buffer.seek(0)
+    b = copy.deepcopy(a)
+    opt_b = AdamMini(b.named(), lr=1e-2, weight_decay=0.1, momentum_dtype="fp8", **GEOMETRY)
+    opt_b.load_state_dict(torch.load(buffer, weights_only=True))
+    state = opt_b.state[b.params[0]]
+    assert state["exp_avg"].dtype == torch.float8_e4m3fn and state["exp_avg_scale"].dtype == torch.float32
+    for _ in range(3):
+        fresh_grads(a, b)
+        opt_a.step()
+        opt_b.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+
+
+def test_step_captures_in_a_cuda_graph():
+    a, ours = twins("fp8")[:2]
+    b, twin = twins("fp8")[:2]  # the same seed: equal models
+    grads = [torch.randn_like(p) for p in a.params]
+    for m in (a, b):
+        for p, g in zip(m.params, grads, strict=True):
+            p.grad = g.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            ours.step()
+            twin.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ours.step()
+    for _ in range(3):
+        graph.replay()
+        twin.step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+
+
+def test_134m_list_keeps_at_most_1_05_bytes_of_state_per_param():
+    model = ShapeModel(SHAPE_SETS["llama134m"], device="cuda")
+    opt = AdamMini(model.named(), lr=1e-3, dim=768, n_heads=12)
+    for p in model.params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    nbytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    numel = sum(p.numel() for p in model.params)
+    assert nbytes / numel <= 1.05, nbytes / numel
+    assert {r[4] for r in opt.partition_table()} == {"fp8"} and not opt.partition.unmatched()
