@@ -105,6 +105,7 @@ def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, list[dict]]:
                                   state_bytes_per_param=float("nan"), bytes_per_param=ours["bytes_per_param"]))
             for r in block:
                 r["ms"] = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
+            for r in block:
                 r["floor_ms"] = r["numel"] * r["bytes_per_param"] / (bw * 1e12) * 1e3
                 r["pct_of_floor"] = 100 * r["floor_ms"] / r["ms"]
                 r["ours_faster"] = r["ms"] / ours["ms"] if ours is not None else float("nan")
