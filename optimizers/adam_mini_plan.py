@@ -58,7 +58,11 @@ class AdamMiniTritonPlan:
         self.sub_blocks = sum(q.rows * nsub for q, (nsub, _) in zip(parts, layouts, strict=True)) if self.fp8 else 0
         dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._dummy = dummy
-        self.done = torch.zeros(len(params), dtype=torch.int32, device=self.device)
+        # One buffer of step counts, state['step'] views of it: the kernel reads t - 1 and
+        # one add after the launch advances every tensor's count (no host sync).
+        self.steps = torch.stack([s["step"].detach().reshape(()).to(self.device, torch.float32) for s in states])
+        for i, s in enumerate(states):
+            s["step"] = self.steps[i]
         self.tel_count = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.tel_amax = torch.zeros(1, dtype=torch.float32, device=self.device)
         arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
@@ -67,9 +71,6 @@ class AdamMiniTritonPlan:
         if self.multi_tensor:
             self._grads = GradTable(self.device, len(params))
             self._tables = [self._table(key) for key in ("p", "m", "scale", "pool", "used", "v", "step")]
-            base = self.done.data_ptr()
-            self._done_table = torch.tensor([base + 4 * i for i in range(len(params))], dtype=torch.int64,
-                                            device=self.device)  # fmt: skip
 
     def _tensor(self, i: int, key: str) -> Tensor:
         state = self.states[i]
@@ -89,8 +90,7 @@ class AdamMiniTritonPlan:
         rows = self.config["ROWS"]
         per_tensor = [work_items(q, i, rows) for i, q in enumerate(self.parts)]
         self.items = [torch.tensor(its, dtype=torch.int32, device=self.device).view(-1, 5) for its in per_tensor]
-        meta = [(*m, len(its)) for m, its in zip(self.meta_rows, per_tensor, strict=True)]
-        self.meta = torch.tensor(meta, dtype=torch.int32, device=self.device)
+        self.meta = torch.tensor(self.meta_rows, dtype=torch.int32, device=self.device)
         self._all_items = torch.cat(self.items) if self.multi_tensor else None
 
     def _scalars(self, group: dict) -> tuple[float, ...]:
@@ -111,7 +111,7 @@ class AdamMiniTritonPlan:
             p_t, m_t, s_t, pool_t, used_t, v_t, step_t = self._tables
             g_t = self._grads.update(self.params, checked_grads)
             self.kernel[(self._all_items.shape[0],)](
-                self._all_items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t, self._done_table,
+                self._all_items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t,
                 self.tel_count, self.tel_amax, *scalars, **launch,
             )  # fmt: skip
         else:
@@ -120,7 +120,7 @@ class AdamMiniTritonPlan:
                 cols, nsub, cap = self.meta_rows[i]
                 self.kernel[(self.items[i].shape[0],)](
                     self.items[i], p, grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
-                    "used", "v", "step")), self.done[i:], self.tel_count, self.tel_amax, cols, nsub, cap,
-                    self.items[i].shape[0], *scalars, **launch,
+                    "used", "v", "step")), self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch,
                 )  # fmt: skip
+        self.steps.add_(1.0)
         return self.tel_count[0], self.tel_count[1], self.tel_amax[0]

@@ -3,7 +3,7 @@
 Layout for a parameter viewed as a rows x cols matrix and sub-blocks of S elements (the
 last sub-block of a row may be shorter; sub-blocks never cross rows):
 
-- ``exp_avg``           float8_e4m3fn, the parameter's shape: m / scale, rounded to nearest;
+- ``exp_avg``           float8_e4m3fn, the parameter's shape: m * (448 / amax), rounded to nearest;
 - ``exp_avg_scale``     fp32 (rows, ceil(cols / S)): amax(|m|) / 448 of each sub-block, or,
                         when negative, -(slot + 1): the sub-block is stored in bf16 in the pool;
 - ``exp_avg_pool``      bf16 (2, capacity, S): the fallback sub-blocks, written at step t into
@@ -85,8 +85,8 @@ def quantize_(state: dict, m: Tensor, write_half: int) -> tuple[Tensor, Tensor]:
     lengths[-1] = cols - (per_row - 1) * sub_block
     amax = x.abs().amax(dim=-1)
     scale = amax / E4M3_MAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.where(scale[..., None] > 0, x / safe[..., None], torch.zeros_like(x)).to(torch.float8_e4m3fn)
+    inv = torch.where(amax > 0, E4M3_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    q = (x * inv[..., None]).to(torch.float8_e4m3fn)  # the kernel's order: one division per sub-block
     back = q.float() * scale[..., None]
     underflow = ((x != 0) & (q.float() == 0)).sum(dim=-1)
     err2, ref2 = ((back - x) ** 2).sum(dim=-1), (x * x).sum(dim=-1)
