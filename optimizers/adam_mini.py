@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -37,6 +38,13 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _checked_grads(params: list[Tensor]) -> list[Tensor]:
+    """The grads of ``params``, each checked (shape, dtype, device, sparse, complex)."""
+    for i, p in enumerate(params):
+        check_param_grad(i, p, p.grad)
+    return [p.grad for p in params]
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -242,9 +250,7 @@ class AdamMini(torch.optim.Optimizer):
                     continue
                 plans, reference = self._group_plan(index, params)
                 for plan in plans:
-                    checked = lambda ps=plan.params: [check_param_grad(i, p, p.grad) or p.grad  # noqa: E731
-                                                      for i, p in enumerate(ps)]  # fmt: skip
-                    bf16, overflow, amax = plan.run(group, checked)
+                    bf16, overflow, amax = plan.run(group, partial(_checked_grads, plan.params))
                     self._record_counts(plan.sub_blocks, bf16, overflow, amax, plan.fp8)
                 beta1, beta2 = (float(b) for b in group["betas"])
                 for i, p in enumerate(reference):

@@ -15,7 +15,7 @@ from torch import Tensor
 from kernel_factory.generator import ADAM_MINI, detect_arch, load, select
 
 from .adam_mini_partition import ParamPartition
-from .adam_plan import TRITON_DTYPES, _log2_pair
+from .adam_plan import TRITON_DTYPES, log2_pair
 from .fp8_momentum import fp8_layout
 from .grad_table import GradTable
 
@@ -97,7 +97,7 @@ class AdamMiniTritonPlan:
         b1, b2 = (float(b) for b in group["betas"])
         lr = float(group["lr"])
         decay = 1.0 - lr * float(group["weight_decay"])
-        return (lr, b2, 1.0 - b1, 1.0 - b2, *_log2_pair(b1), *_log2_pair(b2), float(group["eps"]), decay)
+        return (lr, b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), float(group["eps"]), decay)
 
     def run(self, group: dict, checked_grads) -> tuple[Tensor, Tensor, Tensor]:
         """One step. Returns this step's (bf16 sub-blocks, overflows, max |update|) as device

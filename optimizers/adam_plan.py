@@ -72,14 +72,14 @@ class Hyper:
         """beta2, 1-beta1, 1-beta2, log2 beta1 and log2 beta2 (each as an fp32 pair hi + lo),
         eps, weight_decay: computed in double so the kernel's copies are exact."""
         b1, b2 = self.beta1, self.beta2
-        return (b2, 1.0 - b1, 1.0 - b2, *_log2_pair(b1), *_log2_pair(b2), self.eps, self.weight_decay)
+        return (b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), self.eps, self.weight_decay)
 
 
 def _fp32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _log2_pair(beta: float) -> tuple[float, float]:
+def log2_pair(beta: float) -> tuple[float, float]:
     """log2(beta) split into fp32 hi and lo with hi + lo == log2(beta) to ~1e-14 (b^t = 0 for
     beta = 0: hi = -inf)."""
     if beta <= 0:

@@ -92,19 +92,26 @@ def parity_check(
     tol: float = 1e-3,
     *,
     seed: int = 0,
+    named: Callable[[nn.Module], list[tuple[str, torch.Tensor]]] | None = None,
     **optimizer_kwargs,
 ) -> ParityReport:
     """Step ``reference_cls`` and ``candidate_cls`` ``steps`` times on two identical copies of
     ``model_factory()`` with identical fresh N(0, 1) gradients (in each parameter's dtype and
-    device), then compare every parameter and every state tensor the reference keeps."""
+    device), then compare every parameter and every state tensor the reference keeps.
+    ``named(model)``, when given, builds both optimizers from (name, parameter) pairs (for
+    optimizers that partition by name, e.g. AdamMini)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     ref_model = model_factory()
     cand_model = copy.deepcopy(ref_model)
     ref_params = dict(ref_model.named_parameters())
     cand_params = dict(cand_model.named_parameters())
-    ref_opt = reference_cls(ref_params.values(), **optimizer_kwargs)
-    cand_opt = candidate_cls(cand_params.values(), **optimizer_kwargs)
+    if named is None:
+        ref_opt = reference_cls(ref_params.values(), **optimizer_kwargs)
+        cand_opt = candidate_cls(cand_params.values(), **optimizer_kwargs)
+    else:
+        ref_opt = reference_cls(named(ref_model), **optimizer_kwargs)
+        cand_opt = candidate_cls(named(cand_model), **optimizer_kwargs)
     generators: dict[torch.device, torch.Generator] = {}
     for _ in range(steps):
         for name, rp in ref_params.items():

@@ -11,6 +11,7 @@ bf16 is wrong). Prints a table; exits 1 if any cell fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ if not ON_GPU:
 os.environ.setdefault("KERNEL_FACTORY_BACKEND", "triton")
 
 from .adam import Adam, AdamW, ReferenceAdam, ReferenceAdamW  # noqa: E402
+from .adam_mini import AdamMini, ReferenceAdamMini  # noqa: E402
 from .parity import parity_check  # noqa: E402
 from .workloads import SHAPE_SETS, ShapeModel  # noqa: E402
 
@@ -47,13 +49,65 @@ def _oracle(name: str, dtype: torch.dtype):
 
 
 def cells():
+    """(name, candidate, dtype, shape set, device, oracle, oracle label, tol, extra kwargs, named)."""
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if ON_GPU else [torch.float32, torch.float16]
     shape_sets = ["small", "single_4096x1024", "llama134m"] if ON_GPU else ["small"]
     device = "cuda" if ON_GPU else "cpu"
     for name, cls in (("AdamW", AdamW), ("Adam", Adam)):
         for dtype in dtypes:
             for shapes in shape_sets:
-                yield name, cls, dtype, shapes, device
+                yield (name, cls, dtype, shapes, device, *_oracle(name, dtype), TOL[dtype], {}, None)
+    yield from adam_mini_cells(device)
+
+
+class OfficialAdamMini:
+    """adam-mini 1.1.1's Adam_mini with its state shown under our keys and shapes: exp_avg
+    (the parameter's shape) and exp_avg_sq (one value per block, or per element for biases)."""
+
+    def __init__(self, named_params, momentum_dtype: str = "fp32", **kw) -> None:
+        from adam_mini import Adam_mini
+
+        if momentum_dtype != "fp32":
+            raise ValueError("adam-mini 1.1.1 keeps momentum in the parameter dtype; compare with fp32")
+        self.opt = Adam_mini(named_params, verbose=False, **kw)
+
+    def step(self) -> None:
+        self.opt.step()
+
+    @property
+    def state(self) -> dict:
+        out = {}
+        for p, s in self.opt.state.items():
+            if "m" in s:
+                out[p] = {"exp_avg": s["m"].view(p.shape), "exp_avg_sq": s["v"] if "v" in s else s["vmean"].flatten()}
+        return out
+
+
+# AdamMini: the attention geometry of each Llama-style shape set.
+GEOMETRY = {"llama_tiny": dict(dim=32, n_heads=4, n_kv_heads=2), "llama134m": dict(dim=768, n_heads=12)}
+# FP8 momentum: a last-bit difference in m may flip an E4M3 rounding (2^-3 of that element),
+# rarely; the state comparison (raw FP8 m included) allows that, params move by lr times it.
+FP8_TOL = 1e-3
+
+
+def adam_mini_cells(device: str):
+    """AdamMini (fp32 momentum) against its reference and adam-mini 1.1.1 when installed; FP8
+    momentum (GPU) against the reference's FP8 path, fp32 and bf16 parameters."""
+    named = ShapeModel.named
+    for shapes in ["llama_tiny", "llama134m"] if ON_GPU else ["llama_tiny"]:
+        kw = dict(GEOMETRY[shapes], momentum_dtype="fp32")
+        yield ("AdamMini", AdamMini, torch.float32, shapes, device, ReferenceAdamMini, "reference", TOL[torch.float32],
+               kw, named)  # fmt: skip
+        if importlib.util.find_spec("adam_mini") is None:
+            print("(AdamMini vs adam-mini 1.1.1: skipped, adam-mini is not installed)")
+        else:
+            yield ("AdamMini", AdamMini, torch.float32, shapes, device, OfficialAdamMini, "adam-mini 1.1.1", 1e-5,
+                   kw, named)  # fmt: skip
+        if ON_GPU:
+            for dtype in (torch.float32, torch.bfloat16):
+                tol = FP8_TOL if dtype == torch.float32 else TOL[dtype]
+                yield ("AdamMini8", AdamMini, dtype, shapes, device, ReferenceAdamMini, "reference", tol,
+                       dict(GEOMETRY[shapes], momentum_dtype="fp8"), named)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -62,24 +116,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     where = torch.cuda.get_device_name() if ON_GPU else "CPU (Triton interpreter)"
     print(f"parity matrix on {where}, {args.steps} steps, hyperparameters {HYPER}")
-    header = f"{'optimizer':<9} {'dtype':<9} {'shapes':<17} {'oracle':<14} {'worst rel':>10} {'tol':>7}  result"
+    header = f"{'optimizer':<9} {'dtype':<9} {'shapes':<17} {'oracle':<15} {'worst rel':>10} {'tol':>7}  result"
     print(header)
     print("-" * len(header))
     failures = 0
-    for name, cls, dtype, shapes, device in cells():
-        ref, oracle = _oracle(name, dtype)
+    for name, cls, dtype, shapes, device, ref, oracle, tol, extra, named in cells():
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "no tuned config" is not a failure
             model = lambda shapes=shapes, dtype=dtype, device=device: ShapeModel(  # noqa: E731
                 SHAPE_SETS[shapes], dtype=dtype, device=device
             )
-            report = parity_check(model, ref, cls, steps=args.steps, tol=TOL[dtype], **HYPER)
+            report = parity_check(model, ref, cls, steps=args.steps, tol=tol, named=named, **HYPER, **extra)
         worst = report.worst()
         failures += not report.passed
         result = "pass" if report.passed else f"FAIL ({worst.name} {worst.what})"
-        print(f"{name:<9} {str(dtype)[6:]:<9} {shapes:<17} {oracle:<14} {worst.rel:10.2e} "
-              f"{TOL[dtype]:7.0e}  {result}  [{time.perf_counter() - t0:.1f}s]")  # fmt: skip
+        print(f"{name:<9} {str(dtype)[6:]:<9} {shapes:<17} {oracle:<15} {worst.rel:10.2e} "
+              f"{tol:7.0e}  {result}  [{time.perf_counter() - t0:.1f}s]")  # fmt: skip
     print(f"{'all cells pass' if not failures else f'{failures} cell(s) FAILED'}")
     return 1 if failures else 0
 

@@ -31,6 +31,8 @@ SHAPE_SETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
               ("matrix", (33, 65))],  # fmt: skip
     "single_4096x1024": [("weight", (4096, 1024))],
     "llama134m": llama_param_shapes(),
+    # A Llama-style list small enough for the interpreter: GQA (4 query, 2 key/value heads).
+    "llama_tiny": llama_param_shapes(dim=32, layers=2, ffn=48, vocab=40, n_heads=4, n_kv_heads=2),
 }
 
 

@@ -163,7 +163,8 @@ def test_fp8_round_trip_is_within_the_e4m3_rounding_bound():
     for r in range(5):
         for j in range(0, 300, 128):
             x, y = m[r, j : j + 128], back[r, j : j + 128]
-            assert float((y - x).norm() / x.norm()) <= REL_ERROR_BOUND / 2
+            # E4M3 normals round with relative error <= 2^-4 (3 mantissa bits), so normwise too.
+            assert float((y - x).norm() / x.norm()) <= REL_ERROR_BOUND
 
 
 def test_fp8_underflow_falls_back_to_bf16_and_overflows_past_capacity():

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from kernel_factory.generator import ADAMW, cache, template_hash
+from kernel_factory.generator import ADAMW, cache, get_family, template_hash
 
 VARIANT = ADAMW.variant()
 KEY = ADAMW.tuning_key(VARIANT)
@@ -103,9 +103,10 @@ def test_packaged_sm90_cache_is_well_formed():
     assert set(data["environment"]) >= {"gpu", "capability", "torch", "triton", "cuda"}
     assert data["entries"]
     for entry in data["entries"]:
-        ADAMW.check_config(entry["config"])
+        get_family(entry["family"]).check_config(entry["config"])
         assert entry["p20_ms"] <= entry["p50_ms"] <= entry["p80_ms"]
-        assert entry["p50_ms"] <= entry["default_p50_ms"] * 1.01, entry  # 1%: timing noise
+        # The tuner's paired final timing keeps the default unless the winner beats it there.
+        assert entry["p50_ms"] <= entry["default_p50_ms"], entry
 
 
 def test_merge_keeps_current_entries_replaces_same_key_and_drops_stale(tmp_path):

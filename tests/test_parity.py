@@ -38,3 +38,19 @@ def test_nan_never_passes():
 def test_steps_must_be_positive():
     with pytest.raises(ValueError, match="steps"):
         parity_check(_model, torch.optim.AdamW, AdamW, steps=0)
+
+
+def test_named_optimizers_get_name_parameter_pairs():
+    from kernel_factory.optimizers import ReferenceAdamMini
+
+    def model():
+        m = torch.nn.Module()
+        m.mlp = torch.nn.Linear(6, 4)  # "mlp": per-row blocks; its bias: plain Adam
+        return m
+
+    geometry = dict(dim=6, n_heads=2, momentum_dtype="fp32")
+    named = lambda m: list(m.named_parameters())  # noqa: E731
+    report = parity_check(model, ReferenceAdamMini, ReferenceAdamMini, steps=2, named=named, **geometry)
+    assert report.passed and {r.what for r in report.rows} == {"param", "step", "exp_avg", "exp_avg_sq"}
+    with pytest.raises(TypeError, match="named parameters"):
+        parity_check(model, ReferenceAdamMini, ReferenceAdamMini, steps=1, **geometry)
