@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .adam_plan import AdamGroupPlan
-from .checks import check_adam_hyperparameters, check_implementation_flags, resolve_state_dtype
+from .checks import check_adam_hyperparameters, check_implementation_flags, evaluate_closure, resolve_state_dtype
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -96,10 +96,7 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One fused update of every parameter that has a grad. Returns ``closure()``'s loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         for index, group in enumerate(self.param_groups):

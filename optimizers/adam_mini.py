@@ -24,7 +24,7 @@ from .adam_mini_partition import ModelShape, NameRules, ParamPartition, build_pa
 from .adam_mini_plan import AdamMiniTritonPlan
 from .adam_mini_reference import adam_mini_reference_step
 from .adam_plan import TRITON_DTYPES
-from .checks import check_adam_hyperparameters, check_param_grad
+from .checks import check_adam_hyperparameters, check_param_grad, evaluate_closure
 from .fp8_momentum import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
 
@@ -238,10 +238,7 @@ class AdamMini(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Adam-mini update of every parameter that has a grad. Returns ``closure()``'s loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         with self.telemetry.step(first.device if first is not None else None):
             for index, group in enumerate(self.param_groups):

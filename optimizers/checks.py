@@ -87,3 +87,11 @@ def check_param_grad(index: int, p: Tensor, g: Tensor) -> None:
         raise TypeError(f"{where}: grad dtype {g.dtype} does not match the parameter dtype")
     if g.device != p.device:
         raise ValueError(f"{where}: grad is on {g.device}, the parameter on {p.device}")
+
+
+def evaluate_closure(closure):
+    """``closure()`` with autograd on (optimizers step under no_grad), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

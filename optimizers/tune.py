@@ -24,6 +24,7 @@ from kernel_factory.generator.tuner import report, tune
 
 from .adam import AdamW
 from .adam_plan import Hyper, TritonBucket
+from .inplace_task import InPlaceTask
 from .parity import compare_tensors
 from .reference import adam_reference_step
 from .tune_adam_mini import adam_mini_tasks
@@ -43,7 +44,7 @@ def shapes_for(numel: int) -> list[tuple[int, ...]]:
     return [(numel // 1024, 1024)] if numel >= 1024 else [(numel,)]
 
 
-class AdamWTuningTask:
+class AdamWTuningTask(InPlaceTask):
     """One AdamW launch plan (param dtype, state dtype, size) as a tuner task."""
 
     family = ADAMW
@@ -68,8 +69,7 @@ class AdamWTuningTask:
         moved = sum(p.numel() for p in self.params) * (3 * dtype.itemsize + 4 * state_bytes)
         self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
         self.tol = TOL[dtype]
-        self._live = self._tensors()
-        self._saved = [t.clone() for t in self._live]
+        self.snapshot(self._tensors())
 
     def _tensors(self) -> list[torch.Tensor]:
         b = self.bucket
@@ -82,10 +82,6 @@ class AdamWTuningTask:
 
     def run(self) -> None:
         self.bucket.run(self.hyper, None, None)
-
-    def restore(self) -> None:
-        for live, saved in zip(self._live, self._saved, strict=True):
-            live.copy_(saved)
 
     def check(self) -> float:
         """Worst normwise relative error of one launch against the reference, on fresh grads."""

@@ -16,6 +16,7 @@ from kernel_factory.generator import ADAM_MINI
 from .adam_mini import AdamMini
 from .adam_mini_reference import adam_mini_reference_step
 from .fp8_momentum import dequantize
+from .inplace_task import InPlaceTask
 from .parity import compare_tensors
 from .workloads import SHAPE_SETS
 
@@ -25,7 +26,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 GEOMETRY = dict(dim=768, n_heads=12)  # the llama134m list's attention geometry
 
 
-class AdamMiniTuningTask:
+class AdamMiniTuningTask(InPlaceTask):
     """One AdamMini step (param dtype, momentum dtype) on the 134M list as a tuner task."""
 
     family = ADAM_MINI
@@ -51,8 +52,7 @@ class AdamMiniTuningTask:
         moved = numel * 3 * dtype.itemsize + 2 * state  # p read + write, g read; state read + write
         self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
         self.tol = TOL[dtype]
-        self._live = [*self.params, *(t for s in self.opt.state.values() for t in s.values())]
-        self._saved = [t.clone() for t in self._live]
+        self.snapshot([*self.params, *(t for s in self.opt.state.values() for t in s.values())])
 
     def configure(self, config) -> None:
         for plan in self.plans:
@@ -62,10 +62,6 @@ class AdamMiniTuningTask:
 
     def run(self) -> None:
         self.opt.step()
-
-    def restore(self) -> None:
-        for live, saved in zip(self._live, self._saved, strict=True):
-            live.copy_(saved)
 
     def check(self) -> float:
         """Worst normwise relative error (params, momentum) of one step against the reference."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import io
+
 import torch
 
 from kernel_factory.optimizers.workloads import ShapeModel, llama_param_shapes
@@ -22,3 +25,18 @@ def fresh_grads(*models) -> None:
         g = torch.randn_like(ps[0])
         for p in ps:
             p.grad = g.clone()
+
+
+def checkpoint_twin(model, opt, build):
+    """Step ``opt`` three times, save its state_dict, and load it (``torch.load(weights_only=True)``)
+    into ``build(copy)``, an optimizer over a copy of ``model``. Returns (copy, new optimizer)."""
+    for _ in range(3):
+        fresh_grads(model)
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    twin = copy.deepcopy(model)
+    twin_opt = build(twin)
+    twin_opt.load_state_dict(torch.load(buffer, weights_only=True))
+    return twin, twin_opt

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import io
 import warnings
 
 import pytest
 import torch
-from mini_models import GEOMETRY, fresh_grads, gqa_model
+from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model
 
 from kernel_factory.optimizers import AdamMini, NameRules
 from kernel_factory.optimizers.fp8_momentum import REL_ERROR_BOUND, dequantize, new_fp8_state, quantize_
@@ -117,17 +116,10 @@ def test_fp8_on_cpu_keeps_bf16_momentum_with_a_warning():
 
 
 def test_state_dict_round_trip_through_weights_only_load():
+    build = lambda m: AdamMini(m.named(), lr=1e-2, weight_decay=0.1, momentum_dtype="bf16", **GEOMETRY)  # noqa: E731
     a = gqa_model()
-    opt_a = AdamMini(a.named(), lr=1e-2, weight_decay=0.1, momentum_dtype="bf16", **GEOMETRY)
-    for _ in range(3):
-        fresh_grads(a)
-        opt_a.step()
-    buffer = io.BytesIO()
-    torch.save(opt_a.state_dict(), buffer)
-    buffer.seek(0)
-    b = copy.deepcopy(a)
-    opt_b = AdamMini(b.named(), lr=1e-2, weight_decay=0.1, momentum_dtype="bf16", **GEOMETRY)
-    opt_b.load_state_dict(torch.load(buffer, weights_only=True))
+    opt_a = build(a)
+    b, opt_b = checkpoint_twin(a, opt_a, build)
     assert opt_b.state[b.params[0]]["exp_avg"].dtype == torch.bfloat16
     for _ in range(3):
         fresh_grads(a, b)

@@ -4,11 +4,10 @@ checkpoints, graph capture and the 134M list's state size (run with ``pytest -m 
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
-from mini_models import GEOMETRY, fresh_grads, gqa_model
+from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model
 
 from kernel_factory.optimizers import AdamMini, ReferenceAdamMini
 from kernel_factory.optimizers.adam_mini_plan import AdamMiniTritonPlan
@@ -109,15 +108,8 @@ def test_forced_underflow_falls_back_to_bf16_and_is_counted():
 
 def test_fp8_state_dict_round_trip_and_continued_steps():
     a, opt_a, _, _ = twins("fp8")
-    for _ in range(3):
-        fresh_grads(a)
-        opt_a.step()
-    buffer = io.BytesIO()
-    torch.save(opt_a.state_dict(), buffer)
-    buffer.seek(0)
-    b = copy.deepcopy(a)
-    opt_b = AdamMini(b.named(), lr=1e-2, weight_decay=0.1, momentum_dtype="fp8", **GEOMETRY)
-    opt_b.load_state_dict(torch.load(buffer, weights_only=True))
+    build = lambda m: AdamMini(m.named(), lr=1e-2, weight_decay=0.1, momentum_dtype="fp8", **GEOMETRY)  # noqa: E731
+    b, opt_b = checkpoint_twin(a, opt_a, build)
     state = opt_b.state[b.params[0]]
     assert state["exp_avg"].dtype == torch.float8_e4m3fn and state["exp_avg_scale"].dtype == torch.float32
     for _ in range(3):
