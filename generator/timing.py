@@ -28,7 +28,7 @@ def restoring_timer(warmup_ms: float = 25, rep_ms: float = 100):
     """A tuner timer: (p20, p50, p80) ms of ``task.run()`` by ``time_ms`` (L2 flushed before
     every call), with the in-place tensors restored before and after the timed runs but not
     between them. Restoring gigabytes before every run made the 134M AdamW median move by up
-    to 12% from one call to the next on the H200, while repeats in place agreed within 0.1%;
+    to 13% from one call to the next on the H200, while repeats in place agreed within 0.1%;
     an optimizer step's time does not depend on the values it updates."""
 
     def timer(task) -> tuple[float, float, float]:
