@@ -56,8 +56,7 @@ class AdamMiniTritonPlan:
         layouts = [fp8_layout(q.rows, q.cols, sub_block, capacity) for q in parts]
         self.meta_rows = [(q.cols, nsub, cap) for q, (nsub, cap) in zip(parts, layouts, strict=True)]
         self.sub_blocks = sum(q.rows * nsub for q, (nsub, _) in zip(parts, layouts, strict=True)) if self.fp8 else 0
-        dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._dummy = dummy
+        self._dummy = torch.zeros(1, dtype=torch.int32, device=self.device)  # unused FP8 tables' target
         # One buffer of step counts, state['step'] views of it: the kernel reads t - 1 and
         # one add after the launch advances every tensor's count (no host sync).
         self.steps = torch.stack([s["step"].detach().reshape(()).to(self.device, torch.float32) for s in states])

@@ -40,3 +40,13 @@ def checkpoint_twin(model, opt, build):
     twin_opt = build(twin)
     twin_opt.load_state_dict(torch.load(buffer, weights_only=True))
     return twin, twin_opt
+
+
+def steps_stay_equal(a, opt_a, b, opt_b, steps: int = 3) -> bool:
+    """Step both optimizers ``steps`` times on the same fresh grads; True if the parameters of
+    ``a`` and ``b`` are still bitwise equal."""
+    for _ in range(steps):
+        fresh_grads(a, b)
+        opt_a.step()
+        opt_b.step()
+    return all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))

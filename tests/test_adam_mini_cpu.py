@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model
+from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model, steps_stay_equal
 
 from kernel_factory.optimizers import AdamMini, NameRules
 from kernel_factory.optimizers.fp8_momentum import REL_ERROR_BOUND, dequantize, new_fp8_state, quantize_
@@ -121,11 +121,7 @@ def test_state_dict_round_trip_through_weights_only_load():
     opt_a = build(a)
     b, opt_b = checkpoint_twin(a, opt_a, build)
     assert opt_b.state[b.params[0]]["exp_avg"].dtype == torch.bfloat16
-    for _ in range(3):
-        fresh_grads(a, b)
-        opt_a.step()
-        opt_b.step()
-    assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+    assert steps_stay_equal(a, opt_a, b, opt_b)
 
 
 def test_lr_scheduler_drives_every_group():
