@@ -21,6 +21,10 @@ from .grad_table import GradTable
 
 MOMENTUM_TRITON = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
 ROW, BLOCK, ADAM = 0, 1, 2  # item kinds, as the template numbers them
+# A tensor whose rows are a multiple of VECTOR elements and whose storage is 16-byte aligned goes
+# to a launch that promises both to the compiler (the template's VEC), so that its tiles move as
+# 16-byte vectors; any other tensor goes to a second launch without the promise.
+VECTOR = 16
 
 
 def work_items(part: ParamPartition, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
@@ -90,7 +94,18 @@ class AdamMiniTritonPlan:
         per_tensor = [work_items(q, i, rows) for i, q in enumerate(self.parts)]
         self.items = [torch.tensor(its, dtype=torch.int32, device=self.device).view(-1, 5) for its in per_tensor]
         self.meta = torch.tensor(self.meta_rows, dtype=torch.int32, device=self.device)
-        self._all_items = torch.cat(self.items) if self.multi_tensor else None
+        self._launches = []
+        if self.multi_tensor:
+            by_vec: dict[int, list[Tensor]] = {}
+            for i, its in enumerate(self.items):
+                by_vec.setdefault(VECTOR if self._vectorizable(i) else 1, []).append(its)
+            self._launches = [(torch.cat(its), vec) for vec, its in sorted(by_vec.items())]
+
+    def _vectorizable(self, i: int) -> bool:
+        # Grads are made 16-byte aligned by GradTable; the state is allocated here, but a loaded
+        # state or a parameter view may start anywhere.
+        aligned = all(self._tensor(i, k).data_ptr() % 16 == 0 for k in ("p", "m", "pool", "v"))
+        return aligned and self.parts[i].cols % VECTOR == 0
 
     def _scalars(self, group: dict) -> tuple[float, ...]:
         b1, b2 = (float(b) for b in group["betas"])
@@ -109,17 +124,18 @@ class AdamMiniTritonPlan:
         if self.multi_tensor:
             p_t, m_t, s_t, pool_t, used_t, v_t, step_t = self._tables
             g_t = self._grads.update(self.params, checked_grads)
-            self.kernel[(self._all_items.shape[0],)](
-                self._all_items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t,
-                self.tel_count, self.tel_amax, *scalars, **launch,
-            )  # fmt: skip
+            for items, vec in self._launches:
+                self.kernel[(items.shape[0],)](
+                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t,
+                    self.tel_count, self.tel_amax, *scalars, **launch, VEC=vec,
+                )  # fmt: skip
         else:
             grads = checked_grads()
             for i, p in enumerate(self.params):
                 cols, nsub, cap = self.meta_rows[i]
                 self.kernel[(self.items[i].shape[0],)](
                     self.items[i], p, grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
-                    "used", "v", "step")), self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch,
+                    "used", "v", "step")), self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch, VEC=1,
                 )  # fmt: skip
         self.steps.add_(1.0)
         return self.tel_count[0], self.tel_count[1], self.tel_amax[0]
