@@ -1,0 +1,184 @@
+"""Muon with batched Newton–Schulz, and AdamW for the parameters Muon is not for, in one step().
+
+Muon's math and arguments are torch.optim.Muon's (torch 2.13): per hidden matrix,
+
+    B ← B + (1 − μ)(g − B);   U = g + μ(B − g) if nesterov else B;   O = NS(U)
+    p ← p · (1 − lr·wd);      p ← p − lr·adjust(shape)·O
+
+with adjust "original" = sqrt(max(1, A/B)) and "match_rms_adamw" = 0.2·sqrt(max(A, B)) for an
+A x B matrix. What torch.optim.Muon leaves to the user is done here: matrices of one shape are
+orthogonalized in one batched NS call; conv weights are flattened to (out, in·kh·kw); parameters
+that are not hidden matrices (ndim < 2, or a name with embed/embd/wte/wpe/lm_head) go to
+param groups updated by the factory AdamW (its own lr, betas, eps, weight decay) in the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from .adam_plan import AdamGroupPlan
+from .checks import check_adam_hyperparameters, check_lr, evaluate_closure
+from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule, fast_newton_schulz
+
+ADAMW_NAMES = ("embed", "embd", "wte", "wpe", "lm_head")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+# Keys the AdamW plan reads from a group (adam_plan.AdamGroupPlan), fixed for Muon's AdamW groups.
+_ADAMW_FIXED = dict(amsgrad=False, maximize=False, decoupled_weight_decay=True, state_dtype=None)
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning-rate adjustment for a rows x cols matrix."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+def uses_muon(name: str | None, p: Tensor, adamw_names: Iterable[str] = ADAMW_NAMES) -> bool:
+    """A hidden matrix (Muon) or not (AdamW): ndim >= 2 and no AdamW name substring (lower case)."""
+    if p.dim() < 2:
+        return False
+    lowered = (name or "").lower()
+    return not any(s in lowered for s in adamw_names)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for hidden matrices, AdamW for the rest.
+
+    Args: as ``torch.optim.Muon``: ``params`` (tensors, (name, tensor) pairs as from
+    ``model.named_parameters()``, or group dicts), ``lr``, ``weight_decay``, ``momentum``,
+    ``nesterov``, ``ns_coefficients`` (a triple, ``"polar_express"`` or one triple per step),
+    ``eps``, ``ns_steps``, ``adjust_lr_fn``. Extra, for the AdamW part: ``adamw_lr``,
+    ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``; ``adamw_names`` (name substrings sent to
+    AdamW). A group dict may set ``use_muon`` (True/False) to override the split.
+
+    Parameters: fp32/bf16/fp16 of any ndim (Muon's: >= 2, viewed as (shape[0], rest)). Each group
+    given becomes up to two groups, Muon's and AdamW's (``param_groups[i]["use_muon"]``), so LR
+    schedulers and state_dict see both.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients=NS5_COEFFICIENTS,
+        eps: float = DEFAULT_EPS,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        adamw_names: Iterable[str] = ADAMW_NAMES,
+    ) -> None:
+        check_lr(lr)
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        coefficient_schedule(ns_coefficients, ns_steps)  # validates both
+        check_adam_hyperparameters(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
+        self.adamw_names = tuple(s.lower() for s in adamw_names)
+        self.adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                                   weight_decay=adamw_weight_decay, **_ADAMW_FIXED)  # fmt: skip
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                        use_muon=True)  # fmt: skip
+        super().__init__(self._split_groups(params), defaults)
+        self._plans: dict[int, AdamGroupPlan] = {}
+
+    def _split_groups(self, params) -> list[dict]:
+        items = list(params)
+        if not items:
+            raise ValueError("optimizer got an empty parameter list")
+        groups = items if isinstance(items[0], dict) else [{"params": items}]
+        out = []
+        for group in groups:
+            entries = list(group["params"]) if not isinstance(group["params"], Tensor) else [group["params"]]
+            named = [e if isinstance(e, tuple) else (None, e) for e in entries]
+            forced = group.get("use_muon")
+            split = {True: [], False: []}
+            for name, p in named:
+                if not isinstance(p, Tensor):
+                    raise TypeError(f"params must be Tensors or (name, Tensor) pairs, got {type(p).__name__}")
+                muon = uses_muon(name, p, self.adamw_names) if forced is None else bool(forced)
+                if muon and p.dim() < 2:
+                    raise ValueError(f"use_muon=True needs parameters with ndim >= 2, got shape {tuple(p.shape)}"
+                                     + (f" ({name})" if name else ""))  # fmt: skip
+                split[muon].append(p)
+            rest = {k: v for k, v in group.items() if k not in ("params", "use_muon")}
+            if split[True]:
+                out.append({**rest, "params": split[True], "use_muon": True})
+            if split[False]:
+                adamw = {**self.adamw_defaults, **{k[6:]: v for k, v in rest.items() if k.startswith("adamw_")}}
+                out.append({**adamw, "params": split[False], "use_muon": False})
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._plans = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader; AdamW launch plans are rebuilt on the next step."""
+        super().load_state_dict(state_dict)
+        self._plans = {}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One Muon/AdamW update of every parameter with a grad. Returns ``closure()``'s loss."""
+        loss = evaluate_closure(closure)
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if group["use_muon"]:
+                self._muon_step(group, params)
+                continue
+            key = (tuple(map(id, params)), False, False, True, None)
+            plan = self._plans.get(index)
+            if plan is None or plan.key != key:
+                plan = self._plans[index] = AdamGroupPlan(key, params, self.state, group, None)
+            plan.run(group, None, None)
+        return loss
+
+    def _muon_step(self, group: dict, params: list[Tensor]) -> None:
+        lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
+        grads, bufs = [], []
+        for p in params:
+            g = p.grad
+            if g.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            if torch.is_complex(p):
+                raise RuntimeError("Muon does not support complex parameters")
+            if g.shape != p.shape:
+                raise ValueError(f"grad shape {tuple(g.shape)} does not match parameter shape {tuple(p.shape)}")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+            grads.append(g)
+            bufs.append(state["momentum_buffer"])
+        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        updates = [g.lerp(b, mu) for g, b in zip(grads, bufs, strict=True)] if group["nesterov"] else bufs
+        # One NS call per (matrix shape, device): same-shape matrices stacked into a batch.
+        buckets: dict[tuple, list[int]] = {}
+        for i, u in enumerate(updates):
+            buckets.setdefault((u.shape[0], u[0].numel(), u.device), []).append(i)
+        for (rows, cols, _), idx in buckets.items():
+            stacked = torch.stack([updates[i].reshape(rows, cols) for i in idx])
+            ortho = fast_newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"], group["eps"])
+            step_lr = adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
+            for j, i in enumerate(idx):
+                p = params[i]
+                p.mul_(1 - lr * wd)
+                p.add_(ortho[j].view(p.shape), alpha=-step_lr)
