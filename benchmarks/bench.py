@@ -12,7 +12,7 @@ the host's time to issue the step), `graph` the replay of a CUDA graph of one st
 time; for the optimizers that can be captured: ours, and torch's built with capturable=True).
 `copy` is a torch copy of the same bytes as our AdamW step: the practical ceiling at that
 size. "% of floor" and "ours faster" use graph times where there are, else eager. Writes
-benchmarks/results/bench.{csv,md}.
+benchmarks/results/bench.{csv,md}; then benchmarks/bench_newton_schulz.py (NS5 and Muon).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import bench_newton_schulz
 from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
 from benchmarks.reporting import nox_command
 from kernel_factory.generator.timing import copy_bandwidth_tbs, time_ms
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--rep-ms", type=float, default=300)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--ns-sizes", default="1024,4096,8192",
+                    help="NS5 matrix sizes for benchmarks/bench_newton_schulz.py (empty: skip it)")
     args = ap.parse_args(argv)
     unknown = set(args.shapes.split(",")) - set(SHAPE_SETS)
     if unknown:
@@ -154,8 +157,11 @@ def main(argv=None) -> int:
     specs, notes = select(args.optimizers.split(",") if args.optimizers else None, "cuda")
     for note in notes:
         print(note)
-    bw, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
-    write(bw, rows, notes, args.out, nox_command("bench", argv))
+    if specs:
+        bw, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
+        write(bw, rows, notes, args.out, nox_command("bench", argv))
+    if args.ns_sizes:
+        bench_newton_schulz.run([int(n) for n in args.ns_sizes.split(",")], args.out, nox_command("bench", argv))
     return 0
 
 

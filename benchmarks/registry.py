@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernel_factory.optimizers import AdamMini, AdamW
+from kernel_factory.optimizers import AdamMini, AdamW, Muon
 
 BETAS = (0.9, 0.95)
 NamedParams = list[tuple[str, Tensor]]
@@ -84,6 +84,12 @@ def _muon(named, shape, lr, wd):
     return Chain(*parts)
 
 
+def _ours_muon(named, shape, lr, wd):
+    # torch_muon's split and hyperparameters: Muon's default name rules send embed/lm_head to AdamW.
+    return Muon(named, lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw", adamw_lr=lr, adamw_betas=BETAS,
+                adamw_weight_decay=wd)  # fmt: skip
+
+
 def _adam_mini(named, shape, lr, wd):
     from adam_mini import Adam_mini
 
@@ -138,6 +144,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
         OptimizerSpec("torchao_adamw_fp8", _torchao("AdamWFp8"), module="torchao", cuda_only=True),
         OptimizerSpec("bnb_adamw8bit", _bnb, module="bitsandbytes", cuda_only=True),
         OptimizerSpec("torch_muon", _muon),
+        OptimizerSpec("kernel_factory_muon", _ours_muon),
         OptimizerSpec("torch_adafactor",
                       lambda n, s, lr, wd: torch.optim.Adafactor(_tensors(n), lr=lr, weight_decay=wd)),
     )

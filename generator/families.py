@@ -75,7 +75,43 @@ ADAM_MINI = KernelFamily(
     is_legal=_adam_mini_is_legal,
 )
 
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW, ADAM_MINI)}
+_NS_TILES = dict(BLOCK=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)  # the default
+
+
+def _newton_schulz_is_legal(c: Mapping[str, int | str]) -> bool:
+    # impl "torch" ignores the tile tunables: one config of it (the default tiles) is enough.
+    if c["impl"] == "torch":
+        return all(c[k] == v for k, v in _NS_TILES.items())
+    # Shared memory of the pipelined operand tiles (bf16; the fp32 variant, for the interpreter,
+    # uses the same configs): stages x (BLOCK x BLOCK_K + BLOCK_K x max(BLOCK, BLOCK_N)) x 2 bytes
+    # within the H100/H200's 227 KB per block; at most 256 fp32 accumulators per thread.
+    tiles = c["BLOCK"] * c["BLOCK_K"] + c["BLOCK_K"] * max(c["BLOCK"], c["BLOCK_N"])
+    return c["num_stages"] * tiles * 2 <= 227 * 1024 and c["BLOCK"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 256
+
+
+NEWTON_SCHULZ = KernelFamily(
+    name="newton_schulz",
+    template="newton_schulz.py.j2",
+    description="Newton-Schulz iteration: symmetric X Xᵀ and A Aᵀ on a triangular grid, a X + B X",
+    axes={"dtype": ("bfloat16", "float32")},  # float32: exact-arithmetic variant for the interpreter
+    tuning_axes=("dtype",),
+    tune_sizes=(1 << 20, 1 << 21, 1 << 24, 1 << 26),  # elements of one matrix (tune_newton_schulz.py)
+    # impl: these kernels or torch's matmuls (cuBLAS), whichever the tuner measured faster for
+    # the size. Default: 128 x 256 tiles, the fastest of six configs tried at 4096^2 and 8192^2
+    # on the H200 before tuning.
+    tunables=(
+        Tunable("impl", "triton", ("triton", "torch")),
+        Tunable("BLOCK", _NS_TILES["BLOCK"], (64, 128)),
+        Tunable("BLOCK_N", _NS_TILES["BLOCK_N"], (64, 128, 256)),
+        Tunable("BLOCK_K", _NS_TILES["BLOCK_K"], (32, 64, 128)),
+        Tunable("GROUP_M", _NS_TILES["GROUP_M"], (1, 4, 8)),
+        Tunable("num_warps", _NS_TILES["num_warps"], (4, 8)),
+        Tunable("num_stages", _NS_TILES["num_stages"], (2, 3, 4, 5)),
+    ),
+    is_legal=_newton_schulz_is_legal,
+)
+
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ)}
 
 
 def get_family(name: str) -> KernelFamily:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-Config = Mapping[str, int]
+Config = Mapping[str, int | str]
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,8 @@ class Tunable:
     the default, and the legal values the tuner may pick from."""
 
     name: str
-    default: int
-    choices: tuple[int, ...]
+    default: int | str
+    choices: tuple[int | str, ...]
 
     def __post_init__(self) -> None:
         if self.default not in self.choices:

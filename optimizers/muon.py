@@ -168,17 +168,20 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
             grads.append(g)
             bufs.append(state["momentum_buffer"])
+        # Multi-tensor ops (one launch each) for the elementwise parts; one NS call per
+        # (matrix shape, device), same-shape matrices stacked into a batch.
         torch._foreach_lerp_(bufs, grads, 1 - mu)
-        updates = [g.lerp(b, mu) for g, b in zip(grads, bufs, strict=True)] if group["nesterov"] else bufs
-        # One NS call per (matrix shape, device): same-shape matrices stacked into a batch.
+        updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
         buckets: dict[tuple, list[int]] = {}
         for i, u in enumerate(updates):
             buckets.setdefault((u.shape[0], u[0].numel(), u.device), []).append(i)
-        for (rows, cols, _), idx in buckets.items():
-            stacked = torch.stack([updates[i].reshape(rows, cols) for i in idx])
+        torch._foreach_mul_(params, 1 - lr * wd)
+        for (rows, cols, device), idx in buckets.items():
+            # NS starts by rounding to bf16: stack straight into a bf16 batch (one multi-tensor copy).
+            stacked = torch.empty((len(idx), rows, cols), dtype=torch.bfloat16, device=device)
+            torch._foreach_copy_(list(stacked.unbind(0)), [updates[i].reshape(rows, cols) for i in idx])
             ortho = fast_newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"], group["eps"])
+            ortho = ortho.to(params[idx[0]].dtype)  # torch's p.add_(bf16 update) computes in p's dtype too
             step_lr = adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
-            for j, i in enumerate(idx):
-                p = params[i]
-                p.mul_(1 - lr * wd)
-                p.add_(ortho[j].view(p.shape), alpha=-step_lr)
+            steps = [o.reshape(params[i].shape) for i, o in zip(idx, ortho, strict=True)]
+            torch._foreach_add_([params[i] for i in idx], steps, alpha=-step_lr)

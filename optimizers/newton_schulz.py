@@ -17,6 +17,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kernel_factory.generator import backend_mode, triton_available
+
+from .newton_schulz_triton import ns_config, triton_newton_schulz
+
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the published schedule for
 # 5 iterations (safety factor 2e-2, cushion 2), one (a, b, c) per step.
@@ -105,11 +109,29 @@ def fast_newton_schulz(G: Tensor, steps: int = 5, coefficients=None, eps: float 
     if tall:
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    x = x / norm.clamp(min=eps)
+    x = iterate(x / norm.clamp(min=eps), schedule)
+    return x.mT if tall else x
+
+
+def iterate(x: Tensor, schedule: list[tuple[float, float, float]], config=None) -> Tensor:
+    """The NS iterations on a normalized bf16 x, (m, n) or (B, m, n) with m <= n (any strides).
+    ``config``: a newton_schulz family config (its ``impl``: "triton" kernels or "torch"
+    matmuls); None takes the tuned one for CUDA tensors and torch's matmuls elsewhere."""
+    if config is None and _triton_path(x):
+        config = ns_config(x)
+    if config is not None and config["impl"] == "triton":
+        out = triton_newton_schulz(x if x.dim() == 3 else x[None], schedule, config)
+        return out if x.dim() == 3 else out[0]
     # 2-D takes torch's addmm (the reference's exact operations); a batch takes baddbmm.
     fma = torch.addmm if x.dim() == 2 else torch.baddbmm
     for a, b, c in schedule:
         gram = x @ x.mT
         update = fma(gram, gram, gram, beta=b, alpha=c)
         x = fma(x, update, x, beta=a)
-    return x.mT if tall else x
+    return x
+
+
+def _triton_path(x: Tensor) -> bool:
+    # CUDA tensors take the Triton kernels unless KERNEL_FACTORY_BACKEND=torch; CPU tensors take
+    # torch's matmuls (the interpreter's bf16 tl.dot is wrong; the fp32 variant is tested directly).
+    return x.is_cuda and backend_mode() != "torch" and triton_available()

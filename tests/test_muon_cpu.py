@@ -114,12 +114,13 @@ def test_non_matrix_params_take_adamw_with_their_own_hyperparameters():
             assert compare_tensors(n, "param", p, q, 1e-6).passed
 
 
-def test_conv_weights_are_flattened_rows_by_the_rest():
-    conv = torch.randn(16, 4, 3, 3) * 0.1
-    flat = conv.detach().clone().view(16, 36)
+@pytest.mark.parametrize("out_channels", [16, 64])  # wide (16 x 36) and tall (64 x 36) once flattened
+def test_conv_weights_are_flattened_rows_by_the_rest(out_channels):
+    conv = torch.randn(out_channels, 4, 3, 3) * 0.1
+    flat = conv.detach().clone().view(out_channels, 36)
     _run(Muon([conv], lr=0.02), [conv], 3)
     _run(torch.optim.Muon([flat], lr=0.02), [flat], 3)
-    assert compare_tensors("conv", "param", conv.view(16, 36), flat, MUON_TOL).passed
+    assert compare_tensors("conv", "param", conv.view(out_channels, 36), flat, MUON_TOL).passed
 
 
 def test_state_dict_round_trip_and_lr_scheduler():
