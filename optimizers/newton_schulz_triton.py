@@ -16,8 +16,9 @@ def ns_config(x: Tensor) -> Mapping[str, int]:
     """The tuned config for x's variant and matrix size (the family default on CPU)."""
     arch = "cpu" if x.device.type == "cpu" else detect_arch(x.device)
     dtype = TRITON_DTYPES[x.dtype]
-    # Keyed by the size of one matrix: the batch is spread over the grid's second axis.
-    return select(NEWTON_SCHULZ, arch, NEWTON_SCHULZ.variant(dtype=dtype), dtype, x.shape[-2] * x.shape[-1])
+    # Keyed by the elements of the whole batch: how many programs a tile size gives matters as
+    # much as the matrix size (one 1024^2 matrix wants small tiles, 48 of 768^2 large ones).
+    return select(NEWTON_SCHULZ, arch, NEWTON_SCHULZ.variant(dtype=dtype), dtype, x.numel())
 
 
 def triton_newton_schulz(x: Tensor, schedule: list[tuple[float, float, float]],
