@@ -51,6 +51,7 @@ class KernelFamily:
     tuning_axes: tuple[str, ...] = ()
     tune_sizes: tuple[int, ...] = ()  # work per launch (elements) the tuner measures at
     description: str = ""
+    seed_configs: tuple[Config, ...] = ()  # legal configs every study tries (after the default)
     _default: Config = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +60,8 @@ class KernelFamily:
         if not self.is_legal(default):
             raise ValueError(f"family {self.name}: its default config {dict(default)} is illegal")
         object.__setattr__(self, "_default", default)
+        for config in self.seed_configs:
+            self.check_config(config)
         unknown = set(self.tuning_axes) - set(self.axes)
         if unknown:
             raise ValueError(f"family {self.name}: tuning_axes {sorted(unknown)} are not axes")

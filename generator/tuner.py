@@ -4,7 +4,7 @@ A *task* is one (family, structural variant, dtype, size bucket) with a workload
 device; it knows how to launch with a config and how to check the result (``TuningTask``).
 For each task the tuner runs an Optuna study (TPE sampler, fixed seed, the family default
 enqueued first, then the key's config from the existing cache file, whatever template
-version it was tuned on) over the family's tunables:
+version it was tuned on, then the family's seed configs) over the family's tunables:
 
 - an illegal config (the family's predicate) is pruned before anything compiles;
 - every legal config is compiled, checked against the family's reference on fresh random
@@ -123,6 +123,8 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
         study.enqueue_trial(dict(family.default_config))
         if warm_start and set(warm_start) == {t.name for t in family.tunables} and warm_start != family.default_config:
             study.enqueue_trial(dict(warm_start))
+        for config in family.seed_configs:  # alternatives the sampler would rarely draw
+            study.enqueue_trial(dict(config))
     seen = {_config_key(t.params): t for t in study.trials if t.state.is_finished() and t.params}
 
     def objective(trial) -> float:

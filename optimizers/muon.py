@@ -168,20 +168,28 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
             grads.append(g)
             bufs.append(state["momentum_buffer"])
-        # Multi-tensor ops (one launch each) for the elementwise parts; one NS call per
-        # (matrix shape, device), same-shape matrices stacked into a batch.
+        # Multi-tensor ops (one launch each) for the elementwise parts, and one NS call per
+        # (m, n, device) with m <= n: same-shape matrices, tall ones transposed, in one batch
+        # (NS of Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way).
         torch._foreach_lerp_(bufs, grads, 1 - mu)
-        updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        updates = [u.reshape(u.shape[0], -1) for u in
+                   (torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs)]  # fmt: skip
         buckets: dict[tuple, list[int]] = {}
         for i, u in enumerate(updates):
-            buckets.setdefault((u.shape[0], u[0].numel(), u.device), []).append(i)
+            buckets.setdefault((min(u.shape), max(u.shape), u.device), []).append(i)
         torch._foreach_mul_(params, 1 - lr * wd)
-        for (rows, cols, device), idx in buckets.items():
+        for (m, n, device), idx in buckets.items():
+            wide = [u if u.shape[0] == m else u.mT for u in (updates[i] for i in idx)]
             # NS starts by rounding to bf16: stack straight into a bf16 batch (one multi-tensor copy).
-            stacked = torch.empty((len(idx), rows, cols), dtype=torch.bfloat16, device=device)
-            torch._foreach_copy_(list(stacked.unbind(0)), [updates[i].reshape(rows, cols) for i in idx])
+            stacked = torch.empty((len(idx), m, n), dtype=torch.bfloat16, device=device)
+            torch._foreach_copy_(list(stacked.unbind(0)), wide)
             ortho = fast_newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"], group["eps"])
             ortho = ortho.to(params[idx[0]].dtype)  # torch's p.add_(bf16 update) computes in p's dtype too
-            step_lr = adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
-            steps = [o.reshape(params[i].shape) for i, o in zip(idx, ortho, strict=True)]
-            torch._foreach_add_([params[i] for i in idx], steps, alpha=-step_lr)
+            by_lr: dict[float, tuple[list, list]] = {}
+            for i, o in zip(idx, ortho, strict=True):
+                rows, cols = updates[i].shape
+                ps, steps = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], rows, cols), ([], []))
+                ps.append(params[i])
+                steps.append((o if rows == m else o.mT).reshape(params[i].shape))
+            for step_lr, (ps, steps) in by_lr.items():
+                torch._foreach_add_(ps, steps, alpha=-step_lr)

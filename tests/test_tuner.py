@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -132,6 +133,16 @@ def test_previous_cache_config_is_tried_second_whatever_its_template_version(tmp
                                                    "entries": [entry]}))  # fmt: skip
     _tune(task, tmp_path, trials=3)
     assert task.configured[:2] == [dict(ADAMW.default_config), prior]
+
+
+def test_family_seed_configs_are_tried_right_after_the_default(tmp_path):
+    seed = {"BLOCK": 2048, "CHUNK": 65536, "num_warps": 16, "num_stages": 3}  # far from the fake timer's optimum
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    task.family = dataclasses.replace(ADAMW, seed_configs=(seed,))
+    _tune(task, tmp_path, trials=3)
+    assert task.configured[:2] == [dict(ADAMW.default_config), seed]
+    with pytest.raises(ValueError, match="illegal"):
+        dataclasses.replace(ADAMW, seed_configs=({**seed, "BLOCK": 256, "CHUNK": 128},))
 
 
 def _timer_with_bias(bias):
