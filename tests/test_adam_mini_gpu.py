@@ -22,9 +22,11 @@ pytestmark = [
 ]
 # fp32: rounding only (block-mean summation order, fused multiply-adds). FP8: a last-bit
 # difference in m can flip one element's E4M3 rounding (one step of 2^-3 of that element),
-# rarely; the params move by lr times that (bf16 momentum: one bf16 rounding step, likewise).
+# rarely; that element then moves by about lr * 2^-3 = 1.3e-3 more or less, 3e-5 normwise on
+# the model's 1.5k-element matrices (seen on the H200: 5.2e-5 on one tensor after 10 steps), so
+# FP8 allows 1e-4, a few flips (bf16 momentum: one bf16 rounding step, 2^-8, likewise 1e-5).
 # bf16 params round to 8 bits every step.
-TOL = {"fp32": 1e-6, "bf16": 1e-5, "fp8": 1e-5, "bf16_params": 1e-2}
+TOL = {"fp32": 1e-6, "bf16": 1e-5, "fp8": 1e-4, "bf16_params": 1e-2}
 
 
 def twins(momentum: str, dtype=torch.float32, **kw):
