@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kernel_factory.generator import backend_mode, triton_available
 
-from .newton_schulz_triton import ns_config, triton_newton_schulz
+from .newton_schulz_triton import graphed_newton_schulz, ns_config
 
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the published schedule for
@@ -120,7 +120,7 @@ def iterate(x: Tensor, schedule: list[tuple[float, float, float]], config=None) 
     if config is None and _triton_path(x):
         config = ns_config(x)
     if config is not None and config["impl"] == "triton":
-        out = triton_newton_schulz(x if x.dim() == 3 else x[None], schedule, config)
+        out = graphed_newton_schulz(x if x.dim() == 3 else x[None], schedule, config)
         return out if x.dim() == 3 else out[0]
     # 2-D takes torch's addmm (the reference's exact operations); a batch takes baddbmm.
     fma = torch.addmm if x.dim() == 2 else torch.baddbmm

@@ -49,3 +49,17 @@ def test_muon_on_cuda_matches_torch_muon_over_10_steps():
         opt_theirs.step()
     for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
         assert compare_tensors(f"p{i}", "param", p, q, MUON_TOL).passed
+
+
+def test_small_batches_replay_a_cuda_graph_with_the_same_result():
+    from kernel_factory.optimizers.newton_schulz_triton import graphed_newton_schulz, triton_newton_schulz
+
+    schedule = coefficient_schedule(None, 5)
+    for _ in range(2):  # the second call replays the graph on new values
+        x = torch.randn(2, 512, 1024, device="cuda").bfloat16()
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+        assert torch.equal(graphed_newton_schulz(x, schedule, TRITON), triton_newton_schulz(x, schedule, TRITON))
+    tall = torch.randn(1, 1024, 512, device="cuda").bfloat16().mT  # a strided view goes through a copy
+    tall = tall / torch.linalg.vector_norm(tall, dim=(-2, -1), keepdim=True)
+    assert compare_tensors("ns", "X", graphed_newton_schulz(tall, schedule, TRITON),
+                           triton_newton_schulz(tall, schedule, TRITON), 1e-3).passed  # fmt: skip
