@@ -92,7 +92,9 @@ def fast_newton_schulz(G: Tensor, steps: int = 5, coefficients=None, eps: float 
 
     Args:
         G: (m, n) or (B, m, n), any float dtype and device; tall matrices (m > n) are handled
-            through a transposed view (no copy), so X·Xᵀ is always the smaller Gram matrix.
+            through a transposed view, so X·Xᵀ is always the smaller Gram matrix (the kernels
+            read the view's strides; only a batch small enough to replay a CUDA graph, at most
+            ``GRAPH_MAX_NUMEL`` elements, is copied, into the graph's input).
         steps: iterations (0 <= steps < 100).
         coefficients: None (NS5: 3.4445, -4.7750, 2.0315), ``"polar_express"``, one (a, b, c)
             triple, or a sequence of triples, one per step (the last repeats).

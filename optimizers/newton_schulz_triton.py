@@ -14,7 +14,7 @@ TRITON_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def ns_config(x: Tensor) -> Mapping[str, int]:
-    """The tuned config for x's variant and matrix size (the family default on CPU)."""
+    """The tuned config for x's dtype and batch size (the family default on CPU)."""
     arch = "cpu" if x.device.type == "cpu" else detect_arch(x.device)
     dtype = TRITON_DTYPES[x.dtype]
     # Keyed by the elements of the whole batch: how many programs a tile size gives matters as
