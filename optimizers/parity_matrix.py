@@ -26,6 +26,7 @@ os.environ.setdefault("KERNEL_FACTORY_BACKEND", "triton")
 
 from .adam import Adam, AdamW, ReferenceAdam, ReferenceAdamW  # noqa: E402
 from .adam_mini import AdamMini, ReferenceAdamMini  # noqa: E402
+from .muon import Muon  # noqa: E402
 from .parity import parity_check  # noqa: E402
 from .workloads import SHAPE_SETS, ShapeModel  # noqa: E402
 
@@ -58,6 +59,7 @@ def cells():
             for shapes in shape_sets:
                 yield (name, cls, dtype, shapes, device, *_oracle(name, dtype), TOL[dtype], {}, None)
     yield from adam_mini_cells(device)
+    yield from muon_cells(device)
 
 
 class OfficialAdamMini:
@@ -108,6 +110,17 @@ def adam_mini_cells(device: str):
                 tol = FP8_TOL if dtype == torch.float32 else TOL[dtype]
                 yield ("AdamMini8", AdamMini, dtype, shapes, device, ReferenceAdamMini, "reference", tol,
                        dict(GEOMETRY[shapes], momentum_dtype="fp8"), named)  # fmt: skip
+
+
+# Muon: NS runs in bf16 (8-bit roundings in a different order than torch's, and on the GPU
+# through other kernels); params move by lr x that: 1e-3 normwise (tests/test_muon_cpu.py).
+MUON_TOL = 1e-3
+
+
+def muon_cells(device: str):
+    """Muon against torch.optim.Muon on the hidden matrices of the Llama-style lists."""
+    for shapes in ["llama_tiny_hidden", "llama134m_hidden"] if ON_GPU else ["llama_tiny_hidden"]:
+        yield ("Muon", Muon, torch.float32, shapes, device, torch.optim.Muon, "torch Muon", MUON_TOL, {}, None)
 
 
 def main(argv=None) -> int:

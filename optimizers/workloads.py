@@ -36,6 +36,16 @@ SHAPE_SETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
 }
 
 
+def hidden_matrices(shapes: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """The entries Muon is for: matrices other than embeddings and lm_head."""
+    return [(n, s) for n, s in shapes if len(s) == 2 and "embed" not in n and "lm_head" not in n]
+
+
+# Muon's share of the Llama-style lists (the 134M list has 84 hidden matrices).
+SHAPE_SETS["llama_tiny_hidden"] = hidden_matrices(SHAPE_SETS["llama_tiny"])
+SHAPE_SETS["llama134m_hidden"] = hidden_matrices(SHAPE_SETS["llama134m"])
+
+
 class ShapeModel(torch.nn.Module):
     """A module holding one parameter per (name, shape), initialised N(0, 0.02)."""
 
