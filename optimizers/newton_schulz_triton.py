@@ -93,6 +93,7 @@ def graphed_newton_schulz(x: Tensor, schedule: list[tuple[float, float, float]],
     if graphed is None:
         while len(_graphs) >= _GRAPH_CACHE_SIZE:
             _graphs.popitem(last=False)
-        graphed = _graphs[key] = _GraphedIterations(x, schedule, config)
+        with torch.cuda.device(x.device):  # the capture runs on the input's device
+            graphed = _graphs[key] = _GraphedIterations(x, schedule, config)
     _graphs.move_to_end(key)
     return graphed(x)
