@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from .adam_plan import AdamGroupPlan
+from .adam_plan import AdamGroupPlan, group_plan
 from .checks import check_adam_hyperparameters, check_implementation_flags, evaluate_closure, resolve_state_dtype
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -103,12 +103,7 @@ class Adam(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            key = (tuple(map(id, params)), group["amsgrad"], group["maximize"],
-                   group["decoupled_weight_decay"], group["state_dtype"])  # fmt: skip
-            plan = self._plans.get(index)
-            if plan is None or plan.key != key:
-                plan = self._plans[index] = AdamGroupPlan(key, params, self.state, group, self.backend)
-            plan.run(group, grad_scale, found_inf)
+            group_plan(self._plans, index, params, self.state, group, self.backend).run(group, grad_scale, found_inf)
         return loss
 
 

@@ -337,3 +337,15 @@ class AdamGroupPlan:
                     bucket.run(h, grad_scale, found_inf)
             else:
                 bucket.run(h, grad_scale, found_inf)
+
+
+def group_plan(plans: dict[int, AdamGroupPlan], index: int, params: list[Tensor], state: dict, group: dict,
+               backend: str | None = None) -> AdamGroupPlan:  # fmt: skip
+    """The cached plan of param group ``index`` (``plans``: index -> plan), rebuilt when the params
+    with grads or the group's structural options changed."""
+    key = (tuple(map(id, params)), group["amsgrad"], group["maximize"], group["decoupled_weight_decay"],
+           group.get("state_dtype"))  # fmt: skip
+    plan = plans.get(index)
+    if plan is None or plan.key != key:
+        plan = plans[index] = AdamGroupPlan(key, params, state, group, backend)
+    return plan

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from .adam_plan import AdamGroupPlan
-from .checks import check_adam_hyperparameters, check_lr, evaluate_closure
+from .adam_plan import AdamGroupPlan, group_plan
+from .checks import check_adam_hyperparameters, check_lr, check_param_grad, evaluate_closure
 from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule, fast_newton_schulz
 
 ADAMW_NAMES = ("embed", "embd", "wte", "wpe", "lm_head")
@@ -145,46 +145,37 @@ class Muon(torch.optim.Optimizer):
             if group["use_muon"]:
                 self._muon_step(group, params)
                 continue
-            key = (tuple(map(id, params)), False, False, True, None)
-            plan = self._plans.get(index)
-            if plan is None or plan.key != key:
-                plan = self._plans[index] = AdamGroupPlan(key, params, self.state, group, None)
-            plan.run(group, None, None)
+            group_plan(self._plans, index, params, self.state, group).run(group, None, None)
         return loss
 
     def _muon_step(self, group: dict, params: list[Tensor]) -> None:
         lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
         grads, bufs = [], []
-        for p in params:
+        for i, p in enumerate(params):
             g = p.grad
-            if g.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients")
-            if torch.is_complex(p):
-                raise RuntimeError("Muon does not support complex parameters")
-            if g.shape != p.shape:
-                raise ValueError(f"grad shape {tuple(g.shape)} does not match parameter shape {tuple(p.shape)}")
+            check_param_grad(i, p, g)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
             grads.append(g)
             bufs.append(state["momentum_buffer"])
         # Multi-tensor ops (one launch each) for the elementwise parts, and one NS call per
-        # (m, n, device) with m <= n: same-shape matrices, tall ones transposed, in one batch
+        # (m, n, device, dtype) with m <= n: same-shape matrices, tall ones transposed, in one batch
         # (NS of Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way).
         torch._foreach_lerp_(bufs, grads, 1 - mu)
         updates = [u.reshape(u.shape[0], -1) for u in
                    (torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs)]  # fmt: skip
         buckets: dict[tuple, list[int]] = {}
         for i, u in enumerate(updates):
-            buckets.setdefault((min(u.shape), max(u.shape), u.device), []).append(i)
+            buckets.setdefault((min(u.shape), max(u.shape), u.device, u.dtype), []).append(i)
         torch._foreach_mul_(params, 1 - lr * wd)
-        for (m, n, device), idx in buckets.items():
+        for (m, n, device, dtype), idx in buckets.items():
             wide = [u if u.shape[0] == m else u.mT for u in (updates[i] for i in idx)]
             # NS starts by rounding to bf16: stack straight into a bf16 batch (one multi-tensor copy).
             stacked = torch.empty((len(idx), m, n), dtype=torch.bfloat16, device=device)
             torch._foreach_copy_(list(stacked.unbind(0)), wide)
             ortho = fast_newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"], group["eps"])
-            ortho = ortho.to(params[idx[0]].dtype)  # torch's p.add_(bf16 update) computes in p's dtype too
+            ortho = ortho.to(dtype)  # torch's p.add_(bf16 update) computes in p's dtype too
             by_lr: dict[float, tuple[list, list]] = {}
             for i, o in zip(idx, ortho, strict=True):
                 rows, cols = updates[i].shape

@@ -6,20 +6,13 @@ import pytest
 import torch
 
 from kernel_factory.generator import NEWTON_SCHULZ, interpreter_enabled
-from kernel_factory.optimizers.newton_schulz import coefficient_schedule
+from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate
 from kernel_factory.optimizers.newton_schulz_triton import triton_newton_schulz
 from kernel_factory.optimizers.parity import compare_tensors
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 FP32_TOL = 1e-5  # fp32 (IEEE dot, no tf32): rounding and summation order only, over 3 iterations
 SMALL = dict(impl="triton", BLOCK=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)
-
-
-def _torch_iterations(x: torch.Tensor, schedule) -> torch.Tensor:
-    for a, b, c in schedule:
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x
 
 
 # (batch, m, n): one tile; several tiles with ragged edges (130: a 3 x 3 tile grid, 6 programs,
@@ -35,7 +28,7 @@ def test_fp32_kernels_match_torch(shape, tall):
         schedule = coefficient_schedule(coefficients, 3)
         out = triton_newton_schulz(x, schedule, SMALL)
         assert out.shape == x.shape and out.is_contiguous()
-        assert compare_tensors("ns", "X", out, _torch_iterations(x, schedule), FP32_TOL).passed
+        assert compare_tensors("ns", "X", out, iterate(x, schedule, dict(SMALL, impl="torch")), FP32_TOL).passed
 
 
 def test_rejects_tall_or_unsupported_inputs():
