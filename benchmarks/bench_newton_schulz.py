@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-from kernel_factory.generator.timing import time_ms
+from kernel_factory.generator.timing import matmul_tflops, time_ms
 from kernel_factory.optimizers import Muon, fast_newton_schulz
 from kernel_factory.optimizers.newton_schulz import reference_newton_schulz
-from kernel_factory.optimizers.tune_newton_schulz import matmul_tflops
 from kernel_factory.optimizers.workloads import SHAPE_SETS
 
 

@@ -24,6 +24,14 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30, device: str = "cuda") -> float:
     return 2 * nbytes / (p50 * 1e-3) / 1e12
 
 
+def matmul_tflops(n: int = 8192, device: str = "cuda") -> float:
+    """Measured bf16 n x n x n matmul rate in TFLOP/s (2 n^3 FLOPs per product)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    _, p50, _ = time_ms(lambda: a @ b)
+    return 2 * n**3 / (p50 * 1e-3) / 1e12
+
+
 def restoring_timer(warmup_ms: float = 25, rep_ms: float = 100):
     """A tuner timer: (p20, p50, p80) ms of ``task.run()`` by ``time_ms`` (L2 flushed before
     every call), with the in-place tensors restored before and after the timed runs but not

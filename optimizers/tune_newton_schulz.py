@@ -12,21 +12,13 @@ from __future__ import annotations
 import torch
 
 from kernel_factory.generator import NEWTON_SCHULZ, size_bucket
+from kernel_factory.generator.timing import matmul_tflops
 
 from .newton_schulz import NS5_COEFFICIENTS, coefficient_schedule, iterate
 
 # (batch, m, n), m <= n, per tune size of the family (size_bucket(batch * m * n)).
 WORKLOADS = {1 << 20: (1, 1024, 1024), 1 << 24: (1, 4096, 4096), 1 << 25: (48, 768, 768), 1 << 26: (1, 8192, 8192)}
 TOL = 2e-2  # bf16 products: 8-bit rounding of every intermediate (tests/test_muon_cpu.py)
-
-
-def matmul_tflops(n: int = 8192, device: str = "cuda") -> float:
-    """Measured bf16 n x n x n matmul rate (TFLOP/s) on this GPU."""
-    from kernel_factory.generator.timing import time_ms
-
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n**3 / (time_ms(lambda: a @ b)[1] * 1e-3) / 1e12
 
 
 def symmetric_flops(batch: int, m: int, n: int, steps: int) -> float:
