@@ -66,6 +66,14 @@ class AdamMiniTritonPlan:
         self.steps = torch.stack([s["step"].detach().reshape(()).to(self.device, torch.float32) for s in states])
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
+        if self.fp8:
+            # Likewise one (T, 2) buffer of pool counters: after each launch one masked fill clears
+            # the half the step read, which the next step writes (the kernel reads that count to
+            # skip the pool gather in tensors that made no request).
+            self.used = torch.stack([s["exp_avg_pool_used"].to(self.device, torch.int32) for s in states])
+            for i, s in enumerate(states):
+                s["exp_avg_pool_used"] = self.used[i]
+            self._halves = torch.arange(2, device=self.device)
         self.tel_count = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.tel_amax = torch.zeros(1, dtype=torch.float32, device=self.device)
         arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
@@ -137,5 +145,7 @@ class AdamMiniTritonPlan:
                     self.items[i], p, grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
                     "used", "v", "step")), self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch, VEC=1,
                 )  # fmt: skip
+        if self.fp8:  # the kernel read half (t - 1) % 2 of the counters at step t = steps + 1
+            self.used.masked_fill_(self.steps.remainder(2)[:, None] == self._halves, 0)
         self.steps.add_(1.0)
         return self.tel_count[0], self.tel_count[1], self.tel_amax[0]
