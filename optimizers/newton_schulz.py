@@ -117,11 +117,12 @@ def fast_newton_schulz(G: Tensor, steps: int = 5, coefficients=None, eps: float 
 
 def iterate(x: Tensor, schedule: list[tuple[float, float, float]], config=None) -> Tensor:
     """The NS iterations on a normalized bf16 x, (m, n) or (B, m, n) with m <= n (any strides).
-    ``config``: a newton_schulz family config (its ``impl``: "triton" kernels or "torch"
-    matmuls); None takes the tuned one for CUDA tensors and torch's matmuls elsewhere."""
+    ``config``: a newton_schulz family config (its ``impl``: the "classic" or "hopper" Triton
+    kernels or "torch" matmuls); None takes the tuned one for CUDA tensors and torch's matmuls
+    elsewhere."""
     if config is None and _triton_path(x):
         config = ns_config(x)
-    if config is not None and config["impl"] == "triton":
+    if config is not None and config["impl"] != "torch":
         out = graphed_newton_schulz(x if x.dim() == 3 else x[None], schedule, config)
         return out if x.dim() == 3 else out[0]
     # 2-D takes torch's addmm (the reference's exact operations); a batch takes baddbmm.

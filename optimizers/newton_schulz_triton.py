@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, load, select
+from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, interpreter_enabled, load, select
 
 TRITON_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -26,11 +26,23 @@ def triton_newton_schulz(x: Tensor, schedule: list[tuple[float, float, float]],
                          config: Mapping[str, int] | None = None) -> Tensor:  # fmt: skip
     """The iterations of ``schedule`` on x (B, m, n), m <= n, already normalized; x may be any
     strided view (a transposed tall matrix) and is not written. bf16 or fp32 (the interpreter's).
-    Returns a new contiguous (B, m, n) tensor of x's dtype."""
+    ``config["impl"]`` picks the kernels: "classic", or "hopper" where ``hopper_fits`` (else the
+    classic ones with the same tiles). Returns a new (B, m, n) tensor of x's dtype: contiguous, or
+    for a transposed x on the hopper path the transposed view of a contiguous (B, n, m) one."""
     if x.dtype not in TRITON_DTYPES or x.dim() != 3 or x.shape[1] > x.shape[2]:
         raise ValueError(f"triton_newton_schulz takes (B, m, n), m <= n, bf16 or fp32; got {tuple(x.shape)} {x.dtype}")
     config = dict(config or ns_config(x))
-    kernels = load(NEWTON_SCHULZ, NEWTON_SCHULZ.variant(dtype=TRITON_DTYPES[x.dtype]))
+    if config["impl"] == "hopper" and hopper_fits(x, config):
+        return _hopper_iterations(x, schedule, config)
+    return _classic_iterations(x, schedule, config)
+
+
+def _kernels(x: Tensor, variant: str):
+    return load(NEWTON_SCHULZ, NEWTON_SCHULZ.variant(dtype=TRITON_DTYPES[x.dtype], variant=variant))
+
+
+def _classic_iterations(x: Tensor, schedule, config: Mapping[str, int]) -> Tensor:
+    kernels = _kernels(x, "classic")
     batch, m, n = x.shape
     gram = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
     poly = torch.empty_like(gram)
@@ -51,6 +63,67 @@ def triton_newton_schulz(x: Tensor, schedule: list[tuple[float, float, float]],
                                            GROUP_M=config["GROUP_M"], **launch)  # fmt: skip
         x = out
     return x if schedule else x.contiguous()
+
+
+def hopper_fits(x: Tensor, config: Mapping[str, int]) -> bool:
+    """Whether the hopper kernels take x (B, m, n): a GPU with TMA (sm90 and up) or the
+    interpreter; rows of 16-byte multiples (TMA strides); and, in a batch, contraction dimensions
+    that end at a matrix's edge, since a TMA block reads on into the next matrix: m (the update's)
+    and, for a transposed x, n (its Gram matrix's) multiples of BLOCK_K."""
+    batch, m, n = x.shape
+    if x.is_cuda:
+        if torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif not interpreter_enabled():
+        return False
+    align = 16 // x.element_size()
+    if m % align or n % align:
+        return False
+    tall = not x.is_contiguous() and x.mT.is_contiguous()
+    block_k = config["BLOCK_K"]
+    return batch == 1 or (m % block_k == 0 and (not tall or n % block_k == 0))
+
+
+def _hopper_iterations(x: Tensor, schedule, config: Mapping[str, int]) -> Tensor:
+    """The hopper kernels; a transposed x stays in its storage's layout S = Xᵀ (B, n, m) throughout."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # host-built TMA descriptors
+
+    kernels = _kernels(x, "hopper")
+    batch, m, n = x.shape
+    tall = not x.is_contiguous() and x.mT.is_contiguous()
+    s = x.mT if tall else x.contiguous()  # the storage: (B, n, m) if tall else (B, m, n)
+    block, block_n, block_k = config["BLOCK"], config["BLOCK_N"], config["BLOCK_K"]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    common = dict(GROUP_M=config["GROUP_M"], NUM_SMS=sms, num_warps=config["num_warps"],
+                  num_stages=config["num_stages"])  # fmt: skip
+    gram = torch.empty(batch * m, m, dtype=x.dtype, device=x.device)
+    poly = torch.empty_like(gram)
+    outs = [torch.empty_like(s) for _ in range(min(2, len(schedule)))]
+    tiles = -(-m // block)
+    sym_grid = (min(sms, batch * tiles * (tiles + 1) // 2),)
+    rows, cols = s.shape[1:]
+    update_grid = (min(sms, batch * -(-rows // block) * -(-cols // block_n)),)
+    gram_in = TensorDescriptor.from_tensor(gram, [block, block_k])
+    gram_out = TensorDescriptor.from_tensor(gram, [block, block])
+    poly_out = TensorDescriptor.from_tensor(poly, [block, block])
+    for step, (a, b, c) in enumerate(schedule):
+        out = outs[step % 2]
+        flat = s.reshape(batch * rows, cols)
+        x_in = TensorDescriptor.from_tensor(flat, [block_k, block] if tall else [block, block_k])
+        kernels.sym_kernel[sym_grid](x_in, gram_out, gram, gram, batch, m, n, 1.0, 0.0, HAS_C=False, TRANS_X=tall,
+                                     BLOCK=block, BLOCK_K=block_k, **common)  # fmt: skip
+        kernels.sym_kernel[sym_grid](gram_in, poly_out, gram, poly, batch, m, m, c, b, HAS_C=True, TRANS_X=False,
+                                     BLOCK=block, BLOCK_K=block_k, **common)  # fmt: skip
+        # out = a X + Bm X; tall: its storage Sᵀ's is a S + S Bm (Bm symmetric)
+        left, right = (flat, poly) if tall else (poly, flat)
+        kernels.update_kernel[update_grid](TensorDescriptor.from_tensor(left, [block, block_k]),
+                                           TensorDescriptor.from_tensor(right, [block_k, block_n]), s, out, batch,
+                                           m, rows, cols, a, BLOCK=block, BLOCK_N=block_n, BLOCK_K=block_k,
+                                           **common)  # fmt: skip
+        s = out
+    if not schedule:
+        s = s.clone()
+    return s.mT if tall else s
 
 
 # Small batches are bound by the host issuing 3 launches per iteration (about 25 µs each with

@@ -20,13 +20,23 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-# fp32: rounding only (block-mean summation order, fused multiply-adds). FP8: a last-bit
-# difference in m can flip one element's E4M3 rounding (one step of 2^-3 of that element),
-# rarely; that element then moves by about lr * 2^-3 = 1.3e-3 more or less, 3e-5 normwise on
-# the model's 1.5k-element matrices (seen on the H200: 5.2e-5 on one tensor after 10 steps), so
-# FP8 allows 1e-4, a few flips (bf16 momentum: one bf16 rounding step, 2^-8, likewise 1e-5).
-# bf16 params round to 8 bits every step.
+# fp32: rounding only (block-mean summation order, fused multiply-adds); bf16 momentum: one bf16
+# rounding step (2^-8) of m, likewise 1e-5; bf16 params round to 8 bits every step.
 TOL = {"fp32": 1e-6, "bf16": 1e-5, "fp8": 1e-4, "bf16_params": 1e-2}
+# FP8: a last-bit difference in m (summation order) can flip one element's E4M3 rounding, one step
+# of 2^-3 of that element's m; the element then moves by up to about lr * 2^-3 * |m / sqrt(v)| <=
+# 0.4 lr per step more or less (seen on the H200: 1.4e-3 = 0.14 lr after 10 steps, one element of
+# a 1.5k-element matrix, 8e-4 normwise). So FP8 params compare element by element: at most 1% of
+# a tensor's elements (at least 2) beyond fp32 rounding, none by more than lr.
+FLIP_RTOL, FLIP_SHARE = 1e-5, 0.01
+
+
+def assert_equal_but_for_rounding_flips(name: str, p: torch.Tensor, q: torch.Tensor, lr: float) -> None:
+    diff = (p.double() - q.double()).abs()
+    assert not diff.isnan().any(), name
+    flipped = int((diff > FLIP_RTOL * (1 + q.double().abs())).sum())
+    assert flipped <= max(2, FLIP_SHARE * p.numel()), f"{name}: {flipped} of {p.numel()} elements differ"
+    assert float(diff.max()) <= lr, f"{name}: max |difference| {float(diff.max()):.3g} > lr {lr}"
 
 
 def twins(momentum: str, dtype=torch.float32, **kw):
@@ -59,8 +69,11 @@ def test_multi_tensor_kernel_matches_the_reference(mom):
     plans = [pl for _, pls, _ in ours._plans.values() for pl in pls]
     assert plans and all(pl.multi_tensor for pl in plans) and all(isinstance(pl, AdamMiniTritonPlan) for pl in plans)
     for (name, p), (_, q) in zip(a.named(), b.named(), strict=True):
-        row = compare_tensors(name, "param", p, q, TOL[mom])
-        assert row.passed, row
+        if mom == "fp8":
+            assert_equal_but_for_rounding_flips(name, p, q, ours.defaults["lr"])
+        else:
+            row = compare_tensors(name, "param", p, q, TOL[mom])
+            assert row.passed, row
         row = compare_tensors(name, "exp_avg", momentum(ours, p), momentum(ref, q), TOL[mom] * 100)
         assert row.passed, row
         assert compare_tensors(name, "exp_avg_sq", ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"],

@@ -16,20 +16,26 @@ pytestmark = [
 ]
 NS_TOL = 2e-2  # bf16 intermediates, rounded in a different order than cuBLAS's (tests/test_muon_cpu.py)
 MUON_TOL = 1e-3
-TRITON = dict(NEWTON_SCHULZ.default_config, impl="triton")
+CLASSIC = dict(NEWTON_SCHULZ.default_config, impl="classic")
+HOPPER = dict(NEWTON_SCHULZ.seed_configs[1])
+HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-# Square, wide, tall (a transposed view, no copy), batched, ragged tile edges, one tile.
+# Square, wide, tall (a transposed view, no copy), batched (also tall), ragged tile edges, one tile,
+# a batch whose m is not a multiple of BLOCK_K (the hopper config falls back to the classic kernels).
 @pytest.mark.parametrize("shape", [(1024, 1024), (512, 1536), (1536, 512), (6, 768, 768), (4, 2048, 768),
-                                   (1000, 333), (3, 64, 64)])  # fmt: skip
-def test_triton_kernels_match_torchs_bf16_ns5(shape):
+                                   (1000, 333), (3, 64, 64), (1, 1000, 1336), (2, 200, 328)])  # fmt: skip
+@pytest.mark.parametrize("config", [CLASSIC, HOPPER], ids=["classic", "hopper"])
+def test_triton_kernels_match_torchs_bf16_ns5(shape, config):
+    if config["impl"] == "hopper" and not HOPPER_GPU:
+        pytest.skip("the hopper kernels need TMA (sm90 and up)")
     g = torch.randn(shape, device="cuda")
     x = g.bfloat16()
     x = x.mT if x.shape[-2] > x.shape[-1] else x
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     schedule = coefficient_schedule(None, 5)
-    out = iterate(x, schedule, TRITON)
-    ref = iterate(x, schedule, dict(TRITON, impl="torch"))
+    out = iterate(x, schedule, config)
+    ref = iterate(x, schedule, dict(config, impl="torch"))
     assert compare_tensors("ns", "X", out, ref, NS_TOL).passed
     # and the public entry point (the tuned choice) against torch.optim.Muon's iteration
     assert compare_tensors("ns", "O", fast_newton_schulz(g), reference_newton_schulz(g), NS_TOL).passed
@@ -51,15 +57,18 @@ def test_muon_on_cuda_matches_torch_muon_over_10_steps():
         assert compare_tensors(f"p{i}", "param", p, q, MUON_TOL).passed
 
 
-def test_small_batches_replay_a_cuda_graph_with_the_same_result():
+@pytest.mark.parametrize("config", [CLASSIC, HOPPER], ids=["classic", "hopper"])
+def test_small_batches_replay_a_cuda_graph_with_the_same_result(config):
+    if config["impl"] == "hopper" and not HOPPER_GPU:
+        pytest.skip("the hopper kernels need TMA (sm90 and up)")
     from kernel_factory.optimizers.newton_schulz_triton import graphed_newton_schulz, triton_newton_schulz
 
     schedule = coefficient_schedule(None, 5)
     for _ in range(2):  # the second call replays the graph on new values
         x = torch.randn(2, 512, 1024, device="cuda").bfloat16()
         x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-        assert torch.equal(graphed_newton_schulz(x, schedule, TRITON), triton_newton_schulz(x, schedule, TRITON))
+        assert torch.equal(graphed_newton_schulz(x, schedule, config), triton_newton_schulz(x, schedule, config))
     tall = torch.randn(1, 1024, 512, device="cuda").bfloat16().mT  # a strided view goes through a copy
     tall = tall / torch.linalg.vector_norm(tall, dim=(-2, -1), keepdim=True)
-    assert compare_tensors("ns", "X", graphed_newton_schulz(tall, schedule, TRITON),
-                           triton_newton_schulz(tall, schedule, TRITON), 1e-3).passed  # fmt: skip
+    assert compare_tensors("ns", "X", graphed_newton_schulz(tall, schedule, config),
+                           triton_newton_schulz(tall, schedule, config), 1e-3).passed  # fmt: skip

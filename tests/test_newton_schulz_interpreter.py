@@ -7,28 +7,45 @@ import torch
 
 from kernel_factory.generator import NEWTON_SCHULZ, interpreter_enabled
 from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate
-from kernel_factory.optimizers.newton_schulz_triton import triton_newton_schulz
+from kernel_factory.optimizers.newton_schulz_triton import hopper_fits, triton_newton_schulz
 from kernel_factory.optimizers.parity import compare_tensors
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 FP32_TOL = 1e-5  # fp32 (IEEE dot, no tf32): rounding and summation order only, over 3 iterations
-SMALL = dict(impl="triton", BLOCK=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)
+SMALL = dict(impl="classic", BLOCK=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)
+# hopper: 32 x 32 symmetric tiles in groups of 2 strips (a 5 x 5 tile grid at 160 walks three
+# groups, the last of one strip), 32 x 64 update tiles; 4 programs walk the tiles persistently.
+HOPPER = dict(SMALL, impl="hopper", BLOCK=32, BLOCK_N=64, GROUP_M=2)
 
 
 # (batch, m, n): one tile; several tiles with ragged edges (130: a 3 x 3 tile grid, 6 programs,
-# mirrored writes); a wide batch; a tall matrix handed over as its transposed view (no copy).
+# mirrored writes; 160 x 200: whole off-diagonal tiles stored by TMA); a wide batch; tall
+# matrices handed over as their transposed views (no copy).
 @pytest.mark.parametrize("shape, tall", [((1, 40, 40), False), ((1, 130, 150), False), ((3, 40, 72), False),
-                                         ((2, 72, 40), True)])  # fmt: skip
-def test_fp32_kernels_match_torch(shape, tall):
-    assert NEWTON_SCHULZ.is_legal(SMALL)
+                                         ((2, 72, 40), True), ((1, 160, 200), False), ((3, 64, 96), False),
+                                         ((2, 96, 64), True)])  # fmt: skip
+@pytest.mark.parametrize("config", [SMALL, HOPPER], ids=["classic", "hopper"])
+def test_fp32_kernels_match_torch(shape, tall, config):
+    assert NEWTON_SCHULZ.is_legal(config)
     x = torch.randn(shape)
     x = x.mT if tall else x
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    hopper = config["impl"] == "hopper" and hopper_fits(x, config)
     for coefficients in (None, "polar_express"):
         schedule = coefficient_schedule(coefficients, 3)
-        out = triton_newton_schulz(x, schedule, SMALL)
-        assert out.shape == x.shape and out.is_contiguous()
-        assert compare_tensors("ns", "X", out, iterate(x, schedule, dict(SMALL, impl="torch")), FP32_TOL).passed
+        out = triton_newton_schulz(x, schedule, config)
+        assert out.shape == x.shape and (out.mT if hopper and tall else out).is_contiguous()
+        assert compare_tensors("ns", "X", out, iterate(x, schedule, dict(config, impl="torch")), FP32_TOL).passed
+
+
+def test_hopper_kernels_take_only_batches_whose_contraction_ends_at_a_matrix_edge():
+    # In a batch a TMA block reads on into the next matrix: the hopper kernels need m (and, for a
+    # transposed x, n) to be multiples of BLOCK_K; a single matrix has no neighbour.
+    assert hopper_fits(torch.empty(2, 64, 96), HOPPER)
+    assert not hopper_fits(torch.empty(2, 40, 96), HOPPER)  # m = 40: the update reads past it
+    assert hopper_fits(torch.empty(1, 40, 72), HOPPER)
+    assert not hopper_fits(torch.empty(2, 72, 64).mT, HOPPER)  # tall, n = 72: the Gram reads past it
+    assert not hopper_fits(torch.empty(1, 42, 64), HOPPER)  # rows of 42 fp32: not 16-byte multiples
 
 
 def test_rejects_tall_or_unsupported_inputs():
