@@ -67,9 +67,10 @@ def _classic_iterations(x: Tensor, schedule, config: Mapping[str, int]) -> Tenso
 
 def hopper_fits(x: Tensor, config: Mapping[str, int]) -> bool:
     """Whether the hopper kernels take x (B, m, n): a GPU with TMA (sm90 and up) or the
-    interpreter; rows of 16-byte multiples (TMA strides); and, in a batch, contraction dimensions
-    that end at a matrix's edge, since a TMA block reads on into the next matrix: m (the update's)
-    and, for a transposed x, n (its Gram matrix's) multiples of BLOCK_K."""
+    interpreter; rows of 16-byte multiples and, where x is read in place, a 16-byte aligned start
+    (TMA's rules); and, in a batch, contraction dimensions that end at a matrix's edge, since a
+    TMA block reads on into the next matrix: m (the update's) and, for a transposed x, n (its Gram
+    matrix's) multiples of BLOCK_K."""
     batch, m, n = x.shape
     if x.is_cuda:
         if torch.cuda.get_device_capability(x.device) < (9, 0):
@@ -77,9 +78,10 @@ def hopper_fits(x: Tensor, config: Mapping[str, int]) -> bool:
     elif not interpreter_enabled():
         return False
     align = 16 // x.element_size()
-    if m % align or n % align:
-        return False
     tall = not x.is_contiguous() and x.mT.is_contiguous()
+    in_place = x.is_contiguous() or tall  # else the launcher reads a contiguous copy
+    if m % align or n % align or (in_place and x.data_ptr() % 16):
+        return False
     block_k = config["BLOCK_K"]
     return batch == 1 or (m % block_k == 0 and (not tall or n % block_k == 0))
 

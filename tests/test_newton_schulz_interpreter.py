@@ -46,6 +46,7 @@ def test_hopper_kernels_take_only_batches_whose_contraction_ends_at_a_matrix_edg
     assert hopper_fits(torch.empty(1, 40, 72), HOPPER)
     assert not hopper_fits(torch.empty(2, 72, 64).mT, HOPPER)  # tall, n = 72: the Gram reads past it
     assert not hopper_fits(torch.empty(1, 42, 64), HOPPER)  # rows of 42 fp32: not 16-byte multiples
+    assert not hopper_fits(torch.empty(1 + 64 * 96)[1:].view(1, 64, 96), HOPPER)  # starts 4 bytes off
 
 
 def test_rejects_tall_or_unsupported_inputs():
