@@ -65,6 +65,11 @@ def _classic_iterations(x: Tensor, schedule, config: Mapping[str, int]) -> Tenso
     return x if schedule else x.contiguous()
 
 
+def _transposed(x: Tensor) -> bool:
+    """Whether x (B, m, n) is the transposed view of a contiguous (B, n, m) tensor (a tall matrix)."""
+    return not x.is_contiguous() and x.mT.is_contiguous()
+
+
 def hopper_fits(x: Tensor, config: Mapping[str, int]) -> bool:
     """Whether the hopper kernels take x (B, m, n): a GPU with TMA (sm90 and up) or the
     interpreter; rows of 16-byte multiples and, where x is read in place, a 16-byte aligned start
@@ -78,7 +83,7 @@ def hopper_fits(x: Tensor, config: Mapping[str, int]) -> bool:
     elif not interpreter_enabled():
         return False
     align = 16 // x.element_size()
-    tall = not x.is_contiguous() and x.mT.is_contiguous()
+    tall = _transposed(x)
     in_place = x.is_contiguous() or tall  # else the launcher reads a contiguous copy
     if m % align or n % align or (in_place and x.data_ptr() % 16):
         return False
@@ -92,7 +97,7 @@ def _hopper_iterations(x: Tensor, schedule, config: Mapping[str, int]) -> Tensor
 
     kernels = _kernels(x, "hopper")
     batch, m, n = x.shape
-    tall = not x.is_contiguous() and x.mT.is_contiguous()
+    tall = _transposed(x)
     s = x.mT if tall else x.contiguous()  # the storage: (B, n, m) if tall else (B, m, n)
     block, block_n, block_k = config["BLOCK"], config["BLOCK_N"], config["BLOCK_K"]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
