@@ -102,7 +102,9 @@ NEWTON_SCHULZ = KernelFamily(
         "variant": ("classic", "hopper"),  # rendered for the config's impl (newton_schulz_triton.py)
     },
     tuning_axes=("dtype",),
-    tune_sizes=(1 << 20, 1 << 24, 1 << 25, 1 << 26),  # elements of the batch (tune_newton_schulz.py)
+    # FLOPs of one iteration of the batch (newton_schulz_triton.iteration_flops): 1024^2, 48 x 768^2,
+    # 36 x 768 x 2048, 4096^2, 8192^2 (tune_newton_schulz.py)
+    tune_sizes=(1 << 33, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
     # impl: the classic kernels, the hopper ones (TMA, persistent, warp-specialized; sm90 and up)
     # or torch's matmuls (cuBLAS), whichever the tuner measured fastest for the size. Default:
     # classic with 128 x 256 tiles, the fastest of six configs tried at 4096^2 and 8192^2 on the
@@ -117,12 +119,42 @@ NEWTON_SCHULZ = KernelFamily(
         Tunable("num_stages", _NS_TILES["num_stages"], (2, 3, 4, 5)),
     ),
     is_legal=_newton_schulz_is_legal,
-    # The one torch config (the sampler would seldom draw it) and the hopper tiles measured best
-    # on the H200 at 4096^2 and 8192^2 (128 x 128 symmetric tiles, 128 x 256 update tiles, 4 stages).
-    seed_configs=({"impl": "torch", **_NS_TILES}, {**_NS_TILES, "impl": "hopper", "num_stages": 4}),
+    # The one torch config (the sampler would seldom draw it), the hopper tiles measured best
+    # on the H200 at 4096^2 and 8192^2 (128 x 128 symmetric tiles, 128 x 256 update tiles, 4 stages)
+    # and the classic ones best at 48 x 768^2 (128 x 128 update tiles, 4 warps).
+    seed_configs=({"impl": "torch", **_NS_TILES}, {**_NS_TILES, "impl": "hopper", "num_stages": 4},
+                  {**_NS_TILES, "impl": "classic", "BLOCK_N": 128, "num_warps": 4}),
 )
 
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ)}
+def _muon_is_legal(c: Mapping[str, int]) -> bool:
+    # A program holds a BLOCK_R x BLOCK_C tile of g and buf (or p and O) and, for a tall matrix,
+    # its transpose on the way through shared memory: 4 to 32 elements per thread.
+    per_thread = c["BLOCK_R"] * c["BLOCK_C"] // (32 * c["num_warps"])
+    return 4 <= per_thread <= 32
+
+
+MUON = KernelFamily(
+    name="muon",
+    template="muon.py.j2",
+    description="Muon's momentum + bf16 NS batch (transposing tall matrices) and its update, tile by tile",
+    axes={
+        "multi_tensor": (True, False),  # the single-tensor variant serves the interpreter
+        "param_dtype": _FLOAT_DTYPES,
+        "nesterov": (True, False),
+    },
+    tuning_axes=("multi_tensor",),
+    tune_sizes=(1 << 27,),  # the 134M Llama-style list's 84 hidden matrices (85M elements)
+    # Default: 64 x 64 tiles, 4 warps; square tiles keep a transposed tile's reads as long as its
+    # writes. The tuned config is in sm90.json.
+    tunables=(
+        Tunable("BLOCK_R", 64, (16, 32, 64, 128)),
+        Tunable("BLOCK_C", 64, (32, 64, 128, 256)),
+        Tunable("num_warps", 4, (2, 4, 8)),
+    ),
+    is_legal=_muon_is_legal,
+)
+
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON)}
 
 
 def get_family(name: str) -> KernelFamily:

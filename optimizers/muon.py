@@ -14,27 +14,20 @@ param groups updated by the factory AdamW (its own lr, betas, eps, weight decay)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
 from .adam_plan import AdamGroupPlan, group_plan
-from .checks import check_adam_hyperparameters, check_lr, check_param_grad, evaluate_closure
-from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule, fast_newton_schulz
+from .checks import check_adam_hyperparameters, check_lr, evaluate_closure
+from .muon_plan import MuonGroupPlan, muon_group_plan
+from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule
 
 ADAMW_NAMES = ("embed", "embd", "wte", "wpe", "lm_head")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # Keys the AdamW plan reads from a group (adam_plan.AdamGroupPlan), fixed for Muon's AdamW groups.
 _ADAMW_FIXED = dict(amsgrad=False, maximize=False, decoupled_weight_decay=True, state_dtype=None)
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
-    """torch.optim.Muon's learning-rate adjustment for a rows x cols matrix."""
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
 def uses_muon(name: str | None, p: Tensor, adamw_names: Iterable[str] = ADAMW_NAMES) -> bool:
@@ -96,7 +89,7 @@ class Muon(torch.optim.Optimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True)  # fmt: skip
         super().__init__(self._split_groups(params), defaults)
-        self._plans: dict[int, AdamGroupPlan] = {}
+        self._plans: dict[int, AdamGroupPlan | MuonGroupPlan] = {}  # by group index
 
     def _split_groups(self, params) -> list[dict]:
         items = list(params)
@@ -143,44 +136,12 @@ class Muon(torch.optim.Optimizer):
             if not params:
                 continue
             if group["use_muon"]:
-                self._muon_step(group, params)
+                self._muon_step(index, group, params)
                 continue
             group_plan(self._plans, index, params, self.state, group).run(group, None, None)
         return loss
 
-    def _muon_step(self, group: dict, params: list[Tensor]) -> None:
-        lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
-        grads, bufs = [], []
-        for i, p in enumerate(params):
-            g = p.grad
-            check_param_grad(i, p, g)
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-            grads.append(g)
-            bufs.append(state["momentum_buffer"])
-        # Multi-tensor ops (one launch each) for the elementwise parts, and one NS call per
-        # (m, n, device, dtype) with m <= n: same-shape matrices, tall ones transposed, in one batch
-        # (NS of Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way).
-        torch._foreach_lerp_(bufs, grads, 1 - mu)
-        updates = [u.reshape(u.shape[0], -1) for u in
-                   (torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs)]  # fmt: skip
-        buckets: dict[tuple, list[int]] = {}
-        for i, u in enumerate(updates):
-            buckets.setdefault((min(u.shape), max(u.shape), u.device, u.dtype), []).append(i)
-        torch._foreach_mul_(params, 1 - lr * wd)
-        for (m, n, device, dtype), idx in buckets.items():
-            wide = [u if u.shape[0] == m else u.mT for u in (updates[i] for i in idx)]
-            # NS starts by rounding to bf16: stack straight into a bf16 batch (one multi-tensor copy).
-            stacked = torch.empty((len(idx), m, n), dtype=torch.bfloat16, device=device)
-            torch._foreach_copy_(list(stacked.unbind(0)), wide)
-            ortho = fast_newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"], group["eps"])
-            ortho = ortho.to(dtype)  # torch's p.add_(bf16 update) computes in p's dtype too
-            by_lr: dict[float, tuple[list, list]] = {}
-            for i, o in zip(idx, ortho, strict=True):
-                rows, cols = updates[i].shape
-                ps, steps = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], rows, cols), ([], []))
-                ps.append(params[i])
-                steps.append((o if rows == m else o.mT).reshape(params[i].shape))
-            for step_lr, (ps, steps) in by_lr.items():
-                torch._foreach_add_(ps, steps, alpha=-step_lr)
+    def _muon_step(self, index: int, group: dict, params: list[Tensor]) -> None:
+        # One batch per NS shape (muon_plan.py): same-shape matrices, tall ones transposed (NS of
+        # Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way), one NS call each.
+        muon_group_plan(self._plans, index, params, self.state).run(group)

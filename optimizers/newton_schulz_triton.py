@@ -13,13 +13,22 @@ from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, interpreter_ena
 TRITON_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
+def iteration_flops(batch: int, m: int, n: int) -> int:
+    """FLOPs of one NS iteration on (batch, m, n), m <= n, with full products: X Xᵀ and B X
+    (2 m² n each) and A A (2 m³). The tuned cache's size key for this family."""
+    return batch * (4 * m * m * n + 2 * m**3)
+
+
 def ns_config(x: Tensor) -> Mapping[str, int]:
-    """The tuned config for x's dtype and batch size (the family default on CPU)."""
+    """The tuned config for x ((m, n) or (B, m, n), m <= n): by its dtype and work (the family
+    default on CPU)."""
     arch = "cpu" if x.device.type == "cpu" else detect_arch(x.device)
     dtype = TRITON_DTYPES[x.dtype]
-    # Keyed by the elements of the whole batch: how many programs a tile size gives matters as
-    # much as the matrix size (one 1024^2 matrix wants small tiles, 48 of 768^2 large ones).
-    return select(NEWTON_SCHULZ, arch, NEWTON_SCHULZ.variant(dtype=dtype), dtype, x.numel())
+    # Keyed by the work of the whole batch, which tells the batches of Muon apart: the elements
+    # alone do not (36 of 768 x 2048 is as many as one 8192^2), and how many tiles a tile size
+    # gives matters as much as the matrix size (one 1024^2 wants small tiles, 48 of 768^2 large).
+    work = iteration_flops(*x.shape) if x.dim() == 3 else iteration_flops(1, *x.shape)
+    return select(NEWTON_SCHULZ, arch, NEWTON_SCHULZ.variant(dtype=dtype), dtype, work)
 
 
 def triton_newton_schulz(x: Tensor, schedule: list[tuple[float, float, float]],

@@ -6,7 +6,7 @@
 The generic tuner (kernel_factory.generator.tuner) drives Optuna; this module supplies the
 AdamW workloads: for each dtype and each of the family's tune sizes, a real launch plan (the
 134M Llama-style list at the 2^27 bucket, one tensor below it) checked against the
-pure-PyTorch reference. tune_adam_mini.py and tune_newton_schulz.py supply the others.
+pure-PyTorch reference. tune_adam_mini.py, tune_newton_schulz.py and tune_muon.py supply the others.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .inplace_task import InPlaceTask
 from .parity import compare_tensors
 from .reference import adam_reference_step
 from .tune_adam_mini import adam_mini_tasks
+from .tune_muon import muon_tasks
 from .tune_newton_schulz import newton_schulz_tasks
 from .workloads import SHAPE_SETS
 
@@ -122,7 +123,8 @@ def adamw_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[AdamWT
     return tasks
 
 
-FAMILY_TASKS = {"adamw": adamw_tasks, "adam_mini": adam_mini_tasks, "newton_schulz": newton_schulz_tasks}
+FAMILY_TASKS = {"adamw": adamw_tasks, "adam_mini": adam_mini_tasks, "newton_schulz": newton_schulz_tasks,
+                "muon": muon_tasks}
 
 
 def main(argv=None) -> int:

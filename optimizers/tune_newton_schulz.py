@@ -1,10 +1,11 @@
 """The Newton–Schulz tuning workloads: NS5 in bf16 on the batches Muon and users hand over.
 
 Used by ``python -m kernel_factory.optimizers.tune --families newton_schulz``. Each task is one
-size bucket (elements of the whole batch): a single 1024^2, 4096^2 and 8192^2 matrix, and the
-134M Llama-style list's 48 attention matrices (768 x 768); its 36 MLP matrices (768 x 2048 after
-the transpose of the tall ones, 2^26 elements) share the 8192^2 bucket. A trial checks the config
-against torch's bf16 matmuls on a fresh input and times the five iterations.
+size bucket (FLOPs of one iteration of the whole batch, ``iteration_flops``): a single 1024^2,
+4096^2 and 8192^2 matrix, and the two NS batches of the 134M Llama-style list's Muon step: its
+48 attention matrices (768 x 768) and its 36 MLP matrices (768 x 2048, tall ones transposed).
+A trial checks the config against torch's bf16 matmuls on a fresh input and times the five
+iterations.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from kernel_factory.generator import NEWTON_SCHULZ, size_bucket
 from kernel_factory.generator.timing import matmul_tflops
 
 from .newton_schulz import NS5_COEFFICIENTS, coefficient_schedule, iterate
+from .newton_schulz_triton import iteration_flops
 
-# (batch, m, n), m <= n, per tune size of the family (size_bucket(batch * m * n)).
-WORKLOADS = {1 << 20: (1, 1024, 1024), 1 << 24: (1, 4096, 4096), 1 << 25: (48, 768, 768), 1 << 26: (1, 8192, 8192)}
+# (batch, m, n), m <= n, per tune size of the family (size_bucket(iteration_flops(...))).
+SHAPES = ((1, 1024, 1024), (1, 4096, 4096), (48, 768, 768), (36, 768, 2048), (1, 8192, 8192))
+WORKLOADS = {size_bucket(iteration_flops(*shape)): shape for shape in SHAPES}
 TOL = 2e-2  # bf16 products: 8-bit rounding of every intermediate (tests/test_muon_cpu.py)
 
 
@@ -40,7 +43,7 @@ class NewtonSchulzTuningTask:
         self.schedule = coefficient_schedule(NS5_COEFFICIENTS, 5)
         self.variant = NEWTON_SCHULZ.tuning_key(NEWTON_SCHULZ.variant(dtype="bfloat16"))
         self.dtype = "bfloat16"
-        self.numel = size_bucket(shape[0] * shape[1] * shape[2])
+        self.numel = size_bucket(iteration_flops(*shape))  # the cache's size key (ns_config)
         self.floor_ms = symmetric_flops(*shape, 5) / (tflops * 1e12) * 1e3 if tflops else None
         self.config = None
 

@@ -167,11 +167,20 @@ def test_bad_arguments_name_the_parameter():
 
 
 def test_same_shape_matrices_and_transposes_are_orthogonalized_in_one_call(monkeypatch):
-    import kernel_factory.optimizers.muon as muon_module
+    import kernel_factory.optimizers.muon_plan as muon_plan
 
     calls = []
-    real = muon_module.fast_newton_schulz
-    monkeypatch.setattr(muon_module, "fast_newton_schulz", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    real = muon_plan.iterate
+    monkeypatch.setattr(muon_plan, "iterate", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
     params = _matrices()
     _run(Muon(params), params, 1)
     assert sorted(calls) == [(2, 32, 64), (2, 32, 96), (3, 32, 32)]  # tall ones join their transposes
+
+
+def test_newton_schulz_tune_sizes_are_the_buckets_of_its_workloads():
+    # ns_config keys the cache by one iteration's FLOPs: each workload needs a bucket of its own
+    # (by elements, 36 x 768 x 2048 and 8192^2 shared one).
+    from kernel_factory.generator import NEWTON_SCHULZ
+    from kernel_factory.optimizers.tune_newton_schulz import SHAPES, WORKLOADS
+
+    assert sorted(WORKLOADS) == sorted(NEWTON_SCHULZ.tune_sizes) and len(WORKLOADS) == len(SHAPES)

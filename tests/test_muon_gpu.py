@@ -7,6 +7,7 @@ import torch
 
 from kernel_factory.generator import NEWTON_SCHULZ
 from kernel_factory.optimizers import Muon, fast_newton_schulz
+from kernel_factory.optimizers.muon_plan import TritonBatch
 from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate, reference_newton_schulz
 from kernel_factory.optimizers.parity import compare_tensors
 
@@ -41,20 +42,45 @@ def test_triton_kernels_match_torchs_bf16_ns5(shape, config):
     assert compare_tensors("ns", "O", fast_newton_schulz(g), reference_newton_schulz(g), NS_TOL).passed
 
 
-def test_muon_on_cuda_matches_torch_muon_over_10_steps():
+def _misaligned(values):
+    """A copy of ``values`` 4 bytes past a 16-byte boundary: its batch takes per-matrix launches."""
+    storage = torch.empty(values.numel() + 8 // values.element_size(), dtype=values.dtype, device=values.device)
+    out = storage[4 // values.element_size():][: values.numel()].view(values.shape)
+    return out.copy_(values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_on_cuda_matches_torch_muon_over_10_steps(dtype, nesterov, monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)] * 2
-    ours = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
+    shapes = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)] * 2 + [(300, 100)]
+    ours = [(torch.randn(s, device="cuda", generator=gen) * 0.02).to(dtype) for s in shapes]
+    ours.append(_misaligned((torch.randn(100, 300, device="cuda", generator=gen) * 0.02).to(dtype)))
     theirs = [p.clone() for p in ours]
-    opt_ours, opt_theirs = Muon(ours, lr=0.02, weight_decay=0.1), torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    if dtype == torch.bfloat16 and not nesterov:
+        # torch.optim.Muon's NS starts with grad.bfloat16().div_(norm): on bf16 momentum without
+        # nesterov that is the buffer itself, normalized in place every step. Ours leaves the
+        # buffer alone; the oracle gets a copy to normalize.
+        ns = torch.optim._muon._zeropower_via_newtonschulz
+        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", lambda g, *a: ns(g.clone(), *a))
+    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov)
+    opt_ours, opt_theirs = Muon(ours, **kw), torch.optim.Muon(theirs, **kw)
     for _ in range(10):
         for p, q in zip(ours, theirs, strict=True):
-            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
             q.grad = p.grad.clone()
         opt_ours.step()
         opt_theirs.step()
+    batches = {(b.m, b.n): b for plan in opt_ours._plans.values() for b in plan.batches}
+    assert all(isinstance(b, TritonBatch) for b in batches.values())
+    assert batches[(768, 2048)].multi_tensor and not batches[(100, 300)].multi_tensor
+    # bf16 params round every stored step to 8 bits: bf16's 1e-2 (parity_matrix's bound)
+    # (the momentum buffers' lerp is torch's formula: fp32 rounding only)
+    tol, buf_tol = (MUON_TOL, 1e-6) if dtype == torch.float32 else (1e-2, 1e-2)
     for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
-        assert compare_tensors(f"p{i}", "param", p, q, MUON_TOL).passed
+        assert compare_tensors(f"p{i}", "param", p, q, tol).passed
+        buf_p, buf_q = opt_ours.state[p]["momentum_buffer"], opt_theirs.state[q]["momentum_buffer"]
+        assert compare_tensors(f"p{i}", "momentum_buffer", buf_p, buf_q, buf_tol).passed
 
 
 @pytest.mark.parametrize("config", [CLASSIC, HOPPER], ids=["classic", "hopper"])

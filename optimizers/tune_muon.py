@@ -1,0 +1,92 @@
+"""The Muon elementwise tuning workloads: the kernels around NS on the 134M list's hidden matrices.
+
+Used by ``python -m kernel_factory.optimizers.tune --families muon``. A trial times the momentum,
+normalize and update kernels of every NS batch (NS itself is the newton_schulz family's), and
+checks a whole Muon step against torch's multi-tensor path on fresh gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernel_factory.generator import MUON, size_bucket
+
+from .inplace_task import InPlaceTask
+from .muon import Muon
+from .muon_plan import MuonHyper, TorchBatch, TritonBatch
+from .parity import compare_tensors
+from .workloads import SHAPE_SETS
+
+# Normwise, one step: NS in bf16 on inputs that may differ by the Frobenius norm's summation
+# order (one bf16 rounding of a matrix's norm); bf16 params also round their update to 8 bits.
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
+# Bytes per parameter the kernels move: g (read), buf (read, write), X bf16 (write; normalize
+# reads and writes it), O bf16 (read), p (read, write).
+_BF16_BYTES = 2 + 4 + 2
+
+
+class MuonTuningTask(InPlaceTask):
+    """The Muon kernels of one param dtype on the 84 hidden matrices of the 134M list."""
+
+    family = MUON
+
+    def __init__(self, dtype: torch.dtype, device: str, bandwidth_tbs: float | None = None, seed: int = 0) -> None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.params = [(torch.randn(s, device=device, generator=gen) * 0.02).to(dtype)
+                       for _, s in SHAPE_SETS["llama134m_hidden"]]  # fmt: skip
+        for p in self.params:
+            p.grad = torch.randn(p.shape, device=device, generator=gen).to(dtype)
+        self.opt = Muon(self.params, lr=0.02, weight_decay=0.1)
+        self.opt.step()  # builds the plan and the momentum buffers
+        self.batches = [b for plan in self.opt._plans.values() for b in plan.batches]
+        if not all(isinstance(b, TritonBatch) and b.multi_tensor for b in self.batches):
+            raise RuntimeError("Muon tuning needs the multi-tensor Triton path (a CUDA GPU)")
+        self.variant = MUON.tuning_key(MUON.variant(**self.batches[0]._variant))
+        self.dtype = self.batches[0]._variant["param_dtype"]
+        numel = sum(p.numel() for p in self.params)
+        self.numel = size_bucket(numel)
+        moved = numel * (5 * dtype.itemsize + _BF16_BYTES)  # g; buf and p read and written
+        self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
+        self.tol = TOL[dtype]
+        self.hyper = MuonHyper(self.opt.param_groups[0])
+        self.bufs = [self.opt.state[p]["momentum_buffer"] for p in self.params]
+        self.snapshot([*self.params, *self.bufs])
+
+    def configure(self, config) -> None:
+        for b in self.batches:
+            b.configure(config)
+        self.run()  # compiles here, so compile failures are typed as such
+        torch.cuda.synchronize()
+
+    def run(self) -> None:
+        """The kernels without NS: X stands in for O (the timing does not depend on values)."""
+        for b in self.batches:
+            b.apply(self.hyper, b.prepare(self.hyper))
+
+    def check(self) -> float:
+        """Worst normwise relative error of one Muon step (params, buffers) against torch's ops."""
+        self.restore()
+        for p in self.params:
+            p.grad.normal_()
+        ref_p = [p.detach().clone() for p in self.params]
+        ref_bufs = [b.clone() for b in self.bufs]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for b in self.batches:
+            idx = [index[id(p)] for p in b.params]
+            for i in idx:
+                ref_p[i].grad = self.params[i].grad
+            TorchBatch([ref_p[i] for i in idx], [ref_bufs[i] for i in idx], b.m, b.n).run(self.hyper)
+        self.opt.step()
+        torch.cuda.synchronize()
+        errors = [compare_tensors("p", "check", p, q, self.tol).rel for p, q in zip(self.params, ref_p, strict=True)]
+        errors += [compare_tensors("p", "buf", b, q, self.tol).rel for b, q in zip(self.bufs, ref_bufs, strict=True)]
+        self.restore()
+        return max(e if math.isfinite(e) else math.inf for e in errors)
+
+
+def muon_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[MuonTuningTask]:
+    """One task per parameter dtype (fp32, bf16)."""
+    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return [MuonTuningTask(dtype_of[d], device, bandwidth_tbs) for d in dtypes if d in dtype_of]
