@@ -4,7 +4,7 @@ kernel_templates/muon.py.j2 or through torch's multi-tensor ops.
 A batch holds the matrices of one group that share one (m, n), m <= n (tall ones transposed),
 device and dtype. The Triton path reads g and the momentum buffer once and writes the buffer and
 the bf16 NS input once (tall matrices transposed tile by tile), normalizes in place, runs NS, and
-reads p and O once to write p: about 20 bytes per fp32 parameter moved outside NS, where torch's
+reads p and O once to write p: about 28 bytes per fp32 parameter moved outside NS, where torch's
 multi-tensor ops move about 60 (and fall back to one launch per matrix for transposed views).
 """
 
@@ -249,8 +249,9 @@ class MuonGroupPlan:
 
     def _run_overlapped(self, batches: list[MuonBatch], h: MuonHyper) -> None:
         # Each batch on its own side stream, forked from and joined back into the caller's
-        # stream (graph capture sees the same fork and join): one batch's memory-bound momentum
-        # and update kernels run beside another's compute-bound NS.
+        # stream: one batch's memory-bound momentum and update kernels run beside another's
+        # compute-bound NS. The join orders the caller's later work, including the reuse of
+        # grads it frees, after every batch.
         forks = []
         for i, batch in enumerate(batches):
             with torch.cuda.device(batch.device):
