@@ -11,7 +11,6 @@ multi-tensor ops move about 60 (and fall back to one launch per matrix for trans
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -27,12 +26,11 @@ from kernel_factory.generator import (
     triton_available,
 )
 
+from .adam_plan import TRITON_DTYPES, _warn_once
 from .checks import check_param_grad
 from .grad_table import GradTable
 from .newton_schulz import coefficient_schedule, iterate
 
-TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_warned: set[str] = set()
 OVERLAP_BATCHES = True  # run the NS batches of a group on side streams, side by side
 
 
@@ -174,12 +172,6 @@ class TritonBatch(MuonBatch):
 
     def run(self, h: MuonHyper) -> None:
         self.apply(h, iterate(self.prepare(h), h.schedule).contiguous())
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 def _batch_kind(ps: list[Tensor], bufs: list[Tensor], mode: str) -> Callable[..., MuonBatch]:
