@@ -31,7 +31,9 @@ def test_fast_newton_schulz_matches_the_reference(shape):
 
 
 def test_ns_orthogonalizes_and_polar_express_gets_closer_to_the_polar_factor():
-    G = torch.randn(96, 64)
+    # A batch of 8: on one 96 x 64 matrix the error ratio below ranged 0.41-0.53 over 300 draws
+    # (above 0.5 in 4%); over 8 at once it ranged 0.45-0.49 over 200.
+    G = torch.randn(8, 96, 64)
     u, _, vh = torch.linalg.svd(G, full_matrices=False)
     polar = u @ vh
     errors = {}
