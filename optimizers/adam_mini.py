@@ -24,7 +24,7 @@ from .adam_mini_partition import ModelShape, NameRules, ParamPartition, build_pa
 from .adam_mini_plan import AdamMiniTritonPlan
 from .adam_mini_reference import adam_mini_reference_step
 from .adam_plan import TRITON_DTYPES
-from .checks import check_adam_hyperparameters, check_param_grad, evaluate_closure
+from .checks import check_adam_hyperparameters, check_param_grad, checked_grads, evaluate_closure
 from .fp8_momentum import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
 
@@ -38,13 +38,6 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def _checked_grads(params: list[Tensor]) -> list[Tensor]:
-    """The grads of ``params``, each checked (shape, dtype, device, sparse, complex)."""
-    for i, p in enumerate(params):
-        check_param_grad(i, p, p.grad)
-    return [p.grad for p in params]
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -247,7 +240,7 @@ class AdamMini(torch.optim.Optimizer):
                     continue
                 plans, reference = self._group_plan(index, params)
                 for plan in plans:
-                    bf16, overflow, amax = plan.run(group, partial(_checked_grads, plan.params))
+                    bf16, overflow, amax = plan.run(group, partial(checked_grads, plan.params))
                     self._record_counts(plan.sub_blocks, bf16, overflow, amax, plan.fp8)
                 beta1, beta2 = (float(b) for b in group["betas"])
                 for i, p in enumerate(reference):

@@ -39,7 +39,7 @@ from kernel_factory.generator import (
     triton_available,
 )
 
-from .checks import check_param_grad
+from .checks import checked_grads
 from .grad_table import GradTable
 from .reference import adam_reference_step
 
@@ -110,12 +110,7 @@ class Bucket:
         return [s["step"] for s in self._states]
 
     def grads(self) -> list[Tensor]:
-        grads = []
-        for i, p in enumerate(self.params):
-            g = p.grad
-            check_param_grad(i, p, g)
-            grads.append(g)
-        return grads
+        return checked_grads(self.params)
 
     def run(self, h: Hyper, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         raise NotImplementedError

@@ -95,3 +95,11 @@ def evaluate_closure(closure):
         return None
     with torch.enable_grad():
         return closure()
+
+
+def checked_grads(params: list[Tensor]) -> list[Tensor]:
+    """The grads of ``params``, each checked by ``check_param_grad`` (index, shape, dtype, device,
+    sparse, complex)."""
+    for i, p in enumerate(params):
+        check_param_grad(i, p, p.grad)
+    return [p.grad for p in params]

@@ -27,7 +27,7 @@ from kernel_factory.generator import (
 )
 
 from .adam_plan import TRITON_DTYPES, _warn_once
-from .checks import check_param_grad
+from .checks import checked_grads
 from .grad_table import GradTable
 from .newton_schulz import coefficient_schedule, iterate
 
@@ -51,6 +51,8 @@ class MuonHyper:
         self.nesterov = bool(group["nesterov"])
         self.adjust_lr_fn = group["adjust_lr_fn"]
         self.eps = float(group["eps"])
+        # the reference clamps a bf16 norm at eps rounded to bf16
+        self.eps_bf16 = float(torch.tensor(self.eps, dtype=torch.bfloat16))
         self.schedule = coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
 
 
@@ -64,11 +66,7 @@ class MuonBatch:
         self.transposed = [p.shape[0] != m for p in params]  # tall: stored (n, m)
 
     def grads(self) -> list[Tensor]:
-        grads = []
-        for i, p in enumerate(self.params):
-            check_param_grad(i, p, p.grad)
-            grads.append(p.grad)
-        return grads
+        return checked_grads(self.params)
 
     def lrs(self, h: MuonHyper) -> tuple[float, float]:
         """The adjusted lr of a wide (m, n) and of a tall (n, m) matrix of this batch."""
@@ -114,8 +112,7 @@ class TritonBatch(MuonBatch):
                                   len(params) * m * n))  # fmt: skip
         self._kernels: dict[bool, object] = {}
         self.x = torch.empty((len(params), m, n), dtype=torch.bfloat16, device=self.device)
-        flags = torch.tensor(self.transposed, dtype=torch.int32)
-        self.flags = flags.to(self.device)
+        self.flags = torch.tensor(self.transposed, dtype=torch.int32).to(self.device)
         if multi_tensor:
             as_table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64).to(self.device)  # noqa: E731
             self.p_table, self.buf_table = as_table(params), as_table(bufs)
@@ -151,8 +148,7 @@ class TritonBatch(MuonBatch):
             for i, (g, buf) in enumerate(zip(self.grads(), self.bufs, strict=True)):
                 k.momentum_kernel[(tiles,)](g.contiguous(), buf, int(self.transposed[i]), self.x[i], partial[i],
                                             m, n, mu, 1 - mu, **launch)  # fmt: skip
-        eps = float(torch.tensor(h.eps, dtype=torch.bfloat16))  # the reference clamps a bf16 norm
-        k.normalize_kernel[(tiles, batch)](self.x, partial.sum(1), m, n, eps, **launch)
+        k.normalize_kernel[(tiles, batch)](self.x, partial.sum(1), m, n, h.eps_bf16, **launch)
         return self.x
 
     def apply(self, h: MuonHyper, ortho: Tensor) -> None:
