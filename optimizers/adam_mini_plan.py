@@ -25,6 +25,29 @@ ROW, BLOCK, ADAM = 0, 1, 2  # item kinds, as the template numbers them
 # to a launch that promises both to the compiler (the template's VEC), so that its tiles move as
 # 16-byte vectors; any other tensor goes to a second launch without the promise.
 VECTOR = 16
+# Per-row and block items of tensors whose rows split into at most three power-of-two tiles
+# (multiples of the sub-block) go to launches of their own, one per row shape, that load whole rows
+# at once (the template's _exact_item), with as many rows per program as keep at most
+# EXACT_PER_THREAD elements of each stream in a thread. Block items (a head: many rows, two passes)
+# come first in their launch, so that they do not finish last.
+EXACT_PER_THREAD = 32
+
+
+def exact_row_shape(part: ParamPartition, sub_block: int, rows: int, num_warps: int) -> tuple[int, tuple] | None:
+    """(rows per program, (W0, W1, W2)) of the whole-row launch for ``part``, or None when its rows
+    do not split into <= 3 power-of-two multiples of ``sub_block``, one row is too long for the
+    registers, or ``part`` is plain Adam. 768 columns, sub-blocks of 128: (512, 256, 0)."""
+    cols = part.cols
+    if part.kind == "adam" or cols % sub_block:
+        return None
+    widths = [sub_block << b for b in reversed(range((cols // sub_block).bit_length())) if (cols // sub_block) >> b & 1]
+    budget = EXACT_PER_THREAD * 32 * num_warps
+    fit = rows
+    while fit > 1 and fit * cols > budget:
+        fit //= 2
+    if len(widths) > 3 or fit * cols > budget:
+        return None
+    return fit, tuple(widths + [0] * (3 - len(widths)))
 
 
 def work_items(part: ParamPartition, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
@@ -98,16 +121,21 @@ class AdamMiniTritonPlan:
     def configure(self, config) -> None:
         """Launch with ``config`` from now on (the tuner and benchmarks try configs this way)."""
         self.config = dict(ADAM_MINI.check_config(config))
-        rows = self.config["ROWS"]
-        per_tensor = [work_items(q, i, rows) for i, q in enumerate(self.parts)]
-        self.items = [torch.tensor(its, dtype=torch.int32, device=self.device).view(-1, 5) for its in per_tensor]
+        rows, warps = self.config["ROWS"], self.config["num_warps"]
+        # Launch key -> items: (tensor for single-tensor launches else -1, VEC, rows per program, widths).
+        groups: dict[tuple, list] = {}
+        for i, q in enumerate(self.parts):
+            tensor = -1 if self.multi_tensor else i
+            vec = VECTOR if self.multi_tensor and self._vectorizable(i) else 1
+            exact = exact_row_shape(q, self.sub_block, rows, warps)
+            key = (tensor, vec, *exact) if exact is not None else (tensor, vec, rows, (0, 0, 0))
+            groups.setdefault(key, []).extend(work_items(q, i, key[2]))
         self.meta = torch.tensor(self.meta_rows, dtype=torch.int32, device=self.device)
-        self._launches = []
-        if self.multi_tensor:
-            by_vec: dict[int, list[Tensor]] = {}
-            for i, its in enumerate(self.items):
-                by_vec.setdefault(VECTOR if self._vectorizable(i) else 1, []).append(its)
-            self._launches = [(torch.cat(its), vec) for vec, its in sorted(by_vec.items())]
+        self._launches = [
+            (key, torch.tensor(sorted(its, key=lambda it: it[4] != BLOCK), dtype=torch.int32,
+                               device=self.device).view(-1, 5))
+            for key, its in sorted(groups.items())
+        ]  # fmt: skip
 
     def _vectorizable(self, i: int) -> bool:
         # Grads are made 16-byte aligned by GradTable; the state is allocated here, but a loaded
@@ -127,23 +155,24 @@ class AdamMiniTritonPlan:
         self.tel_count.zero_()
         self.tel_amax.zero_()
         scalars = self._scalars(group)
-        launch = dict(ROWS=self.config["ROWS"], COLS=self.config["COLS"], SUB=self.sub_block,
-                      num_warps=self.config["num_warps"], num_stages=self.config["num_stages"])  # fmt: skip
+        launch = dict(COLS=self.config["COLS"], SUB=self.sub_block, num_warps=self.config["num_warps"],
+                      num_stages=self.config["num_stages"])  # fmt: skip
         if self.multi_tensor:
             p_t, m_t, s_t, pool_t, used_t, v_t, step_t = self._tables
             g_t = self._grads.update(self.params, checked_grads)
-            for items, vec in self._launches:
+            for (_, vec, rows, (w0, w1, w2)), items in self._launches:
                 self.kernel[(items.shape[0],)](
-                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t,
-                    self.tel_count, self.tel_amax, *scalars, **launch, VEC=vec,
+                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t, self.tel_count, self.tel_amax,
+                    *scalars, **launch, ROWS=rows, VEC=vec, W0=w0, W1=w1, W2=w2,
                 )  # fmt: skip
         else:
             grads = checked_grads()
-            for i, p in enumerate(self.params):
+            for (i, _, rows, (w0, w1, w2)), items in self._launches:
                 cols, nsub, cap = self.meta_rows[i]
-                self.kernel[(self.items[i].shape[0],)](
-                    self.items[i], p, grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
-                    "used", "v", "step")), self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch, VEC=1,
+                self.kernel[(items.shape[0],)](
+                    items, self.params[i], grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
+                    "used", "v", "step")), self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch,
+                    ROWS=rows, VEC=1, W0=w0, W1=w1, W2=w2,
                 )  # fmt: skip
         if self.fp8:  # the kernel read half (t - 1) % 2 of the counters at step t = steps + 1
             self.used.masked_fill_(self.steps.remainder(2)[:, None] == self._halves, 0)

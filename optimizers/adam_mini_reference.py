@@ -44,12 +44,12 @@ def adam_mini_reference_step(
     eps: float, weight_decay: float,
 ) -> dict[str, Tensor]:
     """Update ``p`` (any float dtype) and its ``state`` in place. Returns this step's telemetry:
-    ``bf16_blocks`` and ``overflow`` (FP8 sub-blocks), ``amax_update`` (max |p change|)."""
+    ``bf16_blocks`` and ``overflow`` (FP8 sub-blocks), ``amax_update``: the largest |Adam update|
+    lr * m_hat / (sqrt(v_hat) + eps) of any element (the decoupled weight decay left out)."""
     rows, cols = part.rows, part.cols
     step = int(state["step"].item()) + 1
     g = grad.detach().view(rows, cols).float()
     x = p.detach().view(rows, cols).float()
-    x0 = x.clone()
     v = state["exp_avg_sq"]
     if part.kind == "adam":
         v.view(rows, cols).mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -62,10 +62,13 @@ def adam_mini_reference_step(
     if part.kind == "adam":
         h = (v.view(rows, cols).sqrt() / bc2_sqrt).add_(eps)
         x.addcdiv_(m, h, value=-lr / bc1)
+        amax_update = _max_abs(m / h) * (lr / bc1)
     else:
         h = (v.sqrt() / bc2_sqrt).add_(eps)
         per_row = torch.repeat_interleave((1 / bc1) / h, torch.tensor(_rows_per_block(part), device=h.device))
-        x.sub_(m * per_row[:, None] * lr)
+        update = m * per_row[:, None] * lr
+        x.sub_(update)
+        amax_update = _max_abs(update)
     telemetry = {"bf16_blocks": torch.zeros((), dtype=torch.int64, device=p.device)}
     telemetry["overflow"] = telemetry["bf16_blocks"].clone()
     stored = state["exp_avg"]
@@ -74,9 +77,13 @@ def adam_mini_reference_step(
     else:
         stored.view(rows, cols).copy_(m)
     p.detach().view(rows, cols).copy_(x)
-    telemetry["amax_update"] = (x - x0).abs().max() if x.numel() else torch.zeros((), device=p.device)
+    telemetry["amax_update"] = amax_update
     state["step"].add_(1)
     return telemetry
+
+
+def _max_abs(t: Tensor) -> Tensor:
+    return t.abs().max() if t.numel() else torch.zeros((), device=t.device)
 
 
 def _rows_per_block(part: ParamPartition) -> list[int]:

@@ -12,6 +12,7 @@ from kernel_factory.generator import interpreter_enabled
 from kernel_factory.optimizers import AdamMini, ReferenceAdamMini
 from kernel_factory.optimizers.adam_mini_plan import AdamMiniTritonPlan
 from kernel_factory.optimizers.parity import compare_tensors
+from kernel_factory.optimizers.workloads import ShapeModel, llama_param_shapes
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 FP32_TOL = 1e-6  # fp32 rounding only: summation order of the block means, fused multiply-adds
@@ -24,11 +25,13 @@ def _triton_backend(monkeypatch):
 
 def test_kernel_matches_the_reference_with_fp32_momentum():
     # Every item kind and path: rows that fit one 256-wide tile (one pass over memory), rows of
-    # 600 that take three tiles (two passes), Q/K head blocks of 16 rows and norms (one block
-    # each), and a bias (plain Adam).
+    # 600 that take three tiles (two passes), rows of 384 = 256 + 128 and 896 = 512 + 256 + 128
+    # columns (the one-pass launches of whole rows: 2 rows per program, the last one partial, and
+    # three tiles), Q/K head blocks of 16 rows and norms (one block each), and a bias (plain Adam).
     a = gqa_model(head_dim=16)
-    a.names.append("layers.0.mlp.wide.weight")
-    a.params.append(torch.nn.Parameter(torch.randn(3, 600) * 0.02))
+    for name, shape in (("wide", (3, 600)), ("two_tiles", (5, 384)), ("three_tiles", (3, 896))):
+        a.names.append(f"layers.0.mlp.{name}.weight")
+        a.params.append(torch.nn.Parameter(torch.randn(shape) * 0.02))
     b = copy.deepcopy(a)
     kw = dict(lr=1e-2, weight_decay=0.1, momentum_dtype="fp32", head_dim=16, **GEOMETRY)
     ours, ref = AdamMini(a.named(), **kw), ReferenceAdamMini(b.named(), **kw)
@@ -40,6 +43,8 @@ def test_kernel_matches_the_reference_with_fp32_momentum():
             assert plans and all(isinstance(pl, AdamMiniTritonPlan) for pl in plans)
             for pl in plans:
                 pl.configure(dict(ROWS=2, COLS=256, num_warps=1, num_stages=1))
+            shapes = {(rows, widths) for (_, _, rows, widths), _ in plans[0]._launches}
+            assert {(2, (0, 0, 0)), (2, (256, 128, 0)), (1, (512, 256, 128))} <= shapes, shapes
         ref.step()
     for (name, p), (_, q) in zip(a.named(), b.named(), strict=True):
         assert compare_tensors(name, "param", p, q, FP32_TOL).passed, name
@@ -48,3 +53,25 @@ def test_kernel_matches_the_reference_with_fp32_momentum():
             assert row.passed, row
     s_ours, s_ref = ours.telemetry.summary(), ref.telemetry.summary()
     assert s_ours["amax_update"] == pytest.approx(s_ref["amax_update"], rel=1e-5) and s_ours["amax_update"] > 0
+
+
+def test_whole_row_launches_take_head_blocks_too():
+    # dim 128, two heads of 64 rows: Q/K head blocks of 128-column rows run in the whole-row
+    # launch (two passes over 2-row groups), beside per-row tensors of 128 and 384 = 256 + 128 columns.
+    shapes = llama_param_shapes(dim=128, layers=1, ffn=384, vocab=8, n_heads=2, n_kv_heads=1)
+    a = ShapeModel(shapes)
+    b = copy.deepcopy(a)
+    kw = dict(lr=1e-2, weight_decay=0.1, momentum_dtype="fp32", dim=128, n_heads=2, n_kv_heads=1)
+    ours, ref = AdamMini(a.named(), **kw), ReferenceAdamMini(b.named(), **kw)
+    for pl in (pl for _, pls, _ in ours._plans.values() for pl in pls):
+        pl.configure(dict(ROWS=2, COLS=256, num_warps=1, num_stages=1))
+        kinds = {(widths, int(it[4])) for (_, _, _, widths), items in pl._launches for it in items}
+        assert {((128, 0, 0), 1), ((128, 0, 0), 0), ((256, 128, 0), 0)} <= kinds, kinds
+    for _ in range(2):
+        fresh_grads(a, b)
+        ours.step()
+        ref.step()
+    for (name, p), (_, q) in zip(a.named(), b.named(), strict=True):
+        assert compare_tensors(name, "param", p, q, FP32_TOL).passed, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert compare_tensors(name, key, ours.state[p][key], ref.state[q][key], FP32_TOL).passed, (name, key)
