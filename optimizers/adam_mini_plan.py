@@ -45,7 +45,9 @@ def exact_row_shape(part: ParamPartition, sub_block: int, rows: int, num_warps: 
     fit = rows
     while fit > 1 and fit * cols > budget:
         fit //= 2
-    if len(widths) > 3 or fit * cols > budget:
+    # Every tile must give each thread a whole 16-byte vector (4 elements): the template's inline
+    # PTX takes a thread's elements four at a time.
+    if len(widths) > 3 or fit * cols > budget or fit * widths[-1] < 4 * 32 * num_warps:
         return None
     return fit, tuple(widths + [0] * (3 - len(widths)))
 
