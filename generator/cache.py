@@ -172,10 +172,12 @@ def environment() -> dict:
 
 def merge_entries(path: Path, arch: str, entries: list[dict]) -> None:
     """Add or replace ``entries`` (keyed by family, variant, dtype, bucket) in the cache file at
-    ``path``, keeping its other current entries (stale or unreadable ones are dropped, as a
-    lookup would ignore them), and refresh its header."""
+    ``path``, keeping its other current entries (stale or unreadable ones, and those keyed by a
+    variant the family's axes no longer have, are dropped, as a lookup would ignore them), and
+    refresh its header."""
     key = lambda e: (e["family"], e["variant"], e["dtype"], int(e["bucket"]))  # noqa: E731
-    kept = {key(e): e for e in _read(Path(path), arch, warn=False)}  # the tuner replaces them
+    current = [e for e in _read(Path(path), arch, warn=False) if e["variant"] in get_family(e["family"]).tuning_keys()]
+    kept = {key(e): e for e in current}  # the tuner replaces them
     kept.update({key(e): e for e in entries})
     data = {
         "schema": SCHEMA_VERSION,

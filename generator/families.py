@@ -101,8 +101,11 @@ NEWTON_SCHULZ = KernelFamily(
     axes={
         "dtype": ("bfloat16", "float32"),  # float32: exact-arithmetic variant for the interpreter
         "variant": ("classic", "hopper"),  # rendered for the config's impl (newton_schulz_triton.py)
+        # The product of an iteration a config is tuned for: X Xᵀ, c A Aᵀ + b A, a X + B X. The
+        # template renders all three kernels whatever its value; it only keys the cache.
+        "product": ("gram", "poly", "update"),
     },
-    tuning_axes=("dtype",),
+    tuning_axes=("dtype", "product"),
     # FLOPs of one iteration of the batch (newton_schulz_triton.iteration_flops): 1024^2, 48 x 768^2,
     # 36 x 768 x 2048, 4096^2, 8192^2 (tune_newton_schulz.py)
     tune_sizes=(1 << 33, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
@@ -122,9 +125,11 @@ NEWTON_SCHULZ = KernelFamily(
     is_legal=_newton_schulz_is_legal,
     # The one torch config (the sampler would seldom draw it), the hopper tiles measured best
     # on the H200 at 4096^2 and 8192^2 (128 x 128 symmetric tiles, 128 x 256 update tiles, 4 stages)
-    # and the classic ones best at 48 x 768^2 (128 x 128 update tiles, 4 warps).
+    # and the classic ones best at 48 x 768^2 (128 x 128 update tiles, 4 warps; and for c A Aᵀ + b A
+    # with K = 768, 32-wide K steps in 5 stages).
     seed_configs=({"impl": "torch", **_NS_TILES}, {**_NS_TILES, "impl": "hopper", "num_stages": 4},
-                  {**_NS_TILES, "impl": "classic", "BLOCK_N": 128, "num_warps": 4}),
+                  {**_NS_TILES, "impl": "classic", "BLOCK_N": 128, "num_warps": 4},
+                  {**_NS_TILES, "impl": "classic", "BLOCK_K": 32, "num_stages": 5}),
 )
 
 def _muon_is_legal(c: Mapping[str, int]) -> bool:

@@ -87,6 +87,11 @@ class KernelFamily:
         """The part of a variant that the cache keys on, as a stable string."""
         return ",".join(f"{a}={variant[a]}" for a in self.tuning_axes)
 
+    def tuning_keys(self) -> frozenset[str]:
+        """Every ``tuning_key`` the axes allow (a cache entry keyed otherwise is never looked up)."""
+        combos = itertools.product(*(self.axes[a] for a in self.tuning_axes))
+        return frozenset(self.tuning_key(dict(zip(self.tuning_axes, c, strict=True))) for c in combos)
+
     def search_space(self) -> list[Config]:
         """Every legal config, in a stable order (the tuner samples from these)."""
         names = [t.name for t in self.tunables]

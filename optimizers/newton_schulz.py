@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kernel_factory.generator import backend_mode, triton_available
 
-from .newton_schulz_triton import graphed_newton_schulz, ns_config
+from .newton_schulz_triton import graphed_newton_schulz, ns_config, per_product
 
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the published schedule for
@@ -117,12 +117,12 @@ def fast_newton_schulz(G: Tensor, steps: int = 5, coefficients=None, eps: float 
 
 def iterate(x: Tensor, schedule: list[tuple[float, float, float]], config=None) -> Tensor:
     """The NS iterations on a normalized bf16 x, (m, n) or (B, m, n) with m <= n (any strides).
-    ``config``: a newton_schulz family config (its ``impl``: the "classic" or "hopper" Triton
-    kernels or "torch" matmuls); None takes the tuned one for CUDA tensors and torch's matmuls
-    elsewhere."""
+    ``config``: a newton_schulz family config, or one per product (``per_product``); each
+    ``impl`` picks the "classic" or "hopper" Triton kernels or torch's matmuls. None takes the
+    tuned ones for CUDA tensors and torch's matmuls elsewhere."""
     if config is None and _triton_path(x):
         config = ns_config(x)
-    if config is not None and config["impl"] != "torch":
+    if config is not None and any(c["impl"] != "torch" for c in per_product(config).values()):
         out = graphed_newton_schulz(x if x.dim() == 3 else x[None], schedule, config)
         return out if x.dim() == 3 else out[0]
     # 2-D takes torch's addmm (the reference's exact operations); a batch takes baddbmm.

@@ -121,3 +121,7 @@ def test_merge_keeps_current_entries_replaces_same_key_and_drops_stale(tmp_path)
         warnings.simplefilter("ignore", RuntimeWarning)
         cache.merge_entries(path, "smtest", [_entry(1 << 20, 256)])
     assert [e["bucket"] for e in json.loads(path.read_text())["entries"]] == [1 << 20]
+    # an entry keyed by a variant the family's axes no longer have (tuning axes changed) is dropped
+    _write(path, [_entry(1 << 20, 256), dict(_entry(1 << 22, 512), variant="multi_tensor=True")])
+    cache.merge_entries(path, "smtest", [_entry(1 << 24, 256)])
+    assert [e["bucket"] for e in json.loads(path.read_text())["entries"]] == [1 << 20, 1 << 24]

@@ -98,3 +98,33 @@ def test_small_batches_replay_a_cuda_graph_with_the_same_result(config):
     tall = tall / torch.linalg.vector_norm(tall, dim=(-2, -1), keepdim=True)
     assert compare_tensors("ns", "X", graphed_newton_schulz(tall, schedule, config),
                            triton_newton_schulz(tall, schedule, config), 1e-3).passed  # fmt: skip
+
+
+def test_muon_graphed_iterations_equal_direct_launches(monkeypatch):
+    # The batch's CUDA graph reads its static NS input in place and replays the kernels the direct
+    # path launches: the same bits every step, also after a plan rebuild (new input buffer) and
+    # with a new coefficient schedule (a new capture).
+    import kernel_factory.optimizers.muon_plan as muon_plan
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(768, 768)] * 3 + [(1024, 384)] * 2 + [(384, 1024)]
+    init = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
+    grads = [[torch.randn(s, device="cuda", generator=gen) for s in shapes] for _ in range(4)]
+    results = {}
+    for graphed in (True, False):
+        monkeypatch.setattr(muon_plan, "GRAPH_NS", graphed)
+        params = [p.clone() for p in init]
+        opt = Muon(params, lr=0.02, weight_decay=0.1)
+        for step, gs in enumerate(grads):
+            if step == 2:
+                opt.param_groups[0]["ns_coefficients"] = "polar_express"
+            if step == 3:  # a rebuilt plan: a new batch, a new input buffer
+                opt._plans.clear()
+            for p, g in zip(params, gs, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        batches = [b for plan in opt._plans.values() for b in plan.batches]
+        assert all(isinstance(b, TritonBatch) and (b._ns_graph is not None) == graphed for b in batches)
+        results[graphed] = params
+    for p, q in zip(results[True], results[False], strict=True):
+        assert torch.equal(p, q)

@@ -7,7 +7,12 @@ import torch
 
 from kernel_factory.generator import NEWTON_SCHULZ, interpreter_enabled
 from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate
-from kernel_factory.optimizers.newton_schulz_triton import hopper_fits, triton_newton_schulz
+from kernel_factory.optimizers.newton_schulz_triton import (
+    PRODUCTS,
+    hopper_fits,
+    per_product,
+    triton_newton_schulz,
+)
 from kernel_factory.optimizers.parity import compare_tensors
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
@@ -30,7 +35,7 @@ def test_fp32_kernels_match_torch(shape, tall, config):
     x = torch.randn(shape)
     x = x.mT if tall else x
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    hopper = config["impl"] == "hopper" and hopper_fits(x, config)
+    hopper = config["impl"] == "hopper" and hopper_fits(x, config, "update")
     for coefficients in (None, "polar_express"):
         schedule = coefficient_schedule(coefficients, 3)
         out = triton_newton_schulz(x, schedule, config)
@@ -38,15 +43,42 @@ def test_fp32_kernels_match_torch(shape, tall, config):
         assert compare_tensors("ns", "X", out, iterate(x, schedule, dict(config, impl="torch")), FP32_TOL).passed
 
 
+# Each product takes its own config: the kernels of one product hand over to another's in any
+# layout (the hopper update leaves a tall x in its transposed storage; torch's matmuls take any).
+TORCH = dict(SMALL, impl="torch")
+MIXED = [dict(gram=HOPPER, poly=SMALL, update=TORCH), dict(gram=SMALL, poly=TORCH, update=HOPPER),
+         dict(gram=TORCH, poly=HOPPER, update=SMALL)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape, tall", [((3, 64, 96), False), ((2, 96, 64), True)])
+@pytest.mark.parametrize("configs", MIXED, ids=["hopper-classic-torch", "classic-torch-hopper", "torch-hopper-classic"])
+def test_each_product_runs_its_own_config(shape, tall, configs):
+    x = torch.randn(shape)
+    x = x.mT if tall else x
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    schedule = coefficient_schedule(None, 3)
+    out = triton_newton_schulz(x, schedule, configs)
+    assert out.shape == x.shape
+    assert compare_tensors("ns", "X", out, iterate(x, schedule, TORCH), FP32_TOL).passed
+
+
+def test_per_product_configs_name_every_product():
+    assert per_product(SMALL) == {p: SMALL for p in PRODUCTS}
+    with pytest.raises(ValueError, match="one per product"):
+        per_product(dict(gram=SMALL, update=SMALL))
+
+
 def test_hopper_kernels_take_only_batches_whose_contraction_ends_at_a_matrix_edge():
-    # In a batch a TMA block reads on into the next matrix: the hopper kernels need m (and, for a
-    # transposed x, n) to be multiples of BLOCK_K; a single matrix has no neighbour.
-    assert hopper_fits(torch.empty(2, 64, 96), HOPPER)
-    assert not hopper_fits(torch.empty(2, 40, 96), HOPPER)  # m = 40: the update reads past it
-    assert hopper_fits(torch.empty(1, 40, 72), HOPPER)
-    assert not hopper_fits(torch.empty(2, 72, 64).mT, HOPPER)  # tall, n = 72: the Gram reads past it
-    assert not hopper_fits(torch.empty(1, 42, 64), HOPPER)  # rows of 42 fp32: not 16-byte multiples
-    assert not hopper_fits(torch.empty(1 + 64 * 96)[1:].view(1, 64, 96), HOPPER)  # starts 4 bytes off
+    # In a batch a TMA block reads on into the next matrix where the contraction runs along the
+    # descriptor's rows: the update's over m, and the Gram product's over n for a transposed x.
+    assert all(hopper_fits(torch.empty(2, 64, 96), HOPPER, p) for p in PRODUCTS)
+    assert not hopper_fits(torch.empty(2, 40, 96), HOPPER, "update")  # m = 40: the update reads past it
+    assert hopper_fits(torch.empty(2, 40, 96), HOPPER, "gram")  # along a row TMA fills zeros
+    assert hopper_fits(torch.empty(1, 40, 72), HOPPER, "update")  # one matrix: no neighbour
+    tall = torch.empty(2, 72, 64).mT
+    assert not hopper_fits(tall, HOPPER, "gram") and hopper_fits(tall, HOPPER, "update")  # n = 72
+    assert not hopper_fits(torch.empty(1, 42, 64), HOPPER, "gram")  # rows of 42 fp32: not 16-byte multiples
+    assert not hopper_fits(torch.empty(1 + 64 * 96)[1:].view(1, 64, 96), HOPPER, "gram")  # starts 4 bytes off
 
 
 def test_rejects_tall_or_unsupported_inputs():
