@@ -109,7 +109,7 @@ NEWTON_SCHULZ = KernelFamily(
     # FLOPs of one iteration of the batch (newton_schulz_triton.iteration_flops): 1024^2, 48 x 768^2,
     # 36 x 768 x 2048, 4096^2, 8192^2 (tune_newton_schulz.py)
     tune_sizes=(1 << 33, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
-    # impl: the classic kernels, the hopper ones (TMA, persistent, warp-specialized; sm90 and up)
+    # impl: the classic kernels, the hopper ones (TMA, persistent, pipelined across tiles; sm90 and up)
     # or torch's matmuls (cuBLAS), whichever the tuner measured fastest for the size. Default:
     # classic with 128 x 256 tiles, the fastest of six configs tried at 4096^2 and 8192^2 on the
     # H200 before tuning.
@@ -124,12 +124,14 @@ NEWTON_SCHULZ = KernelFamily(
     ),
     is_legal=_newton_schulz_is_legal,
     # The one torch config (the sampler would seldom draw it), the hopper tiles measured best
-    # on the H200 at 4096^2 and 8192^2 (128 x 128 symmetric tiles, 128 x 256 update tiles, 4 stages)
-    # and the classic ones best at 48 x 768^2 (128 x 128 update tiles, 4 warps; and for c A Aᵀ + b A
-    # with K = 768, 32-wide K steps in 5 stages).
+    # on the H200 at 4096^2 and 8192^2 (128 x 128 symmetric tiles, 128 x 256 update tiles, 4 stages),
+    # the classic ones best at 48 x 768^2 (128 x 128 update tiles, 4 warps; and for c A Aᵀ + b A
+    # with K = 768, 32-wide K steps in 5 stages), and the pipelined hopper symmetric kernel's best
+    # at 48 x 768^2 and 36 x 768 x 2048 (4 warps, 5 stages; BLOCK_N 128 keeps the update legal).
     seed_configs=({"impl": "torch", **_NS_TILES}, {**_NS_TILES, "impl": "hopper", "num_stages": 4},
                   {**_NS_TILES, "impl": "classic", "BLOCK_N": 128, "num_warps": 4},
-                  {**_NS_TILES, "impl": "classic", "BLOCK_K": 32, "num_stages": 5}),
+                  {**_NS_TILES, "impl": "classic", "BLOCK_K": 32, "num_stages": 5},
+                  {**_NS_TILES, "impl": "hopper", "BLOCK_N": 128, "num_stages": 5, "num_warps": 4}),
 )
 
 def _muon_is_legal(c: Mapping[str, int]) -> bool:

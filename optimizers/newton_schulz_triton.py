@@ -113,9 +113,9 @@ def symmetric_product(x: Tensor, out: Tensor, c: Tensor | None, alpha: float, be
     tall = _transposed(x)
     s = x.mT if tall else x.contiguous()  # the storage: (B, k, m) if tall else (B, m, k)
     x_desc = TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [block_k, block] if tall else [block, block_k])
-    out_desc = TensorDescriptor.from_tensor(out.view(batch * m, m), [block, block])
+    out_desc, c_desc = (TensorDescriptor.from_tensor(t, [1, block, block]) for t in (out, c))  # clipped per matrix
     sms = _sm_count(x)
-    kernels.sym_kernel[(min(sms, batch * tiles),)](x_desc, out_desc, c, out, batch, m, k, alpha, beta, TRANS_X=tall,
+    kernels.sym_kernel[(min(sms, batch * tiles),)](x_desc, out_desc, c_desc, batch, m, k, alpha, beta, TRANS_X=tall,
                                                    GROUP_M=config["GROUP_M"], NUM_SMS=sms, **shapes)  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from kernel_factory.generator import NEWTON_SCHULZ
 from kernel_factory.optimizers import Muon, fast_newton_schulz
 from kernel_factory.optimizers.muon_plan import TritonBatch
 from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate, reference_newton_schulz
+from kernel_factory.optimizers.newton_schulz_triton import symmetric_product
 from kernel_factory.optimizers.parity import compare_tensors
 
 pytestmark = [
@@ -40,6 +41,24 @@ def test_triton_kernels_match_torchs_bf16_ns5(shape, config):
     assert compare_tensors("ns", "X", out, ref, NS_TOL).passed
     # and the public entry point (the tuned choice) against torch.optim.Muon's iteration
     assert compare_tensors("ns", "O", fast_newton_schulz(g), reference_newton_schulz(g), NS_TOL).passed
+
+
+@pytest.mark.parametrize("shape", [(3, 768, 768), (2, 1000, 1336), (1, 2048, 768)])
+@pytest.mark.parametrize("config", [CLASSIC, HOPPER], ids=["classic", "hopper"])
+def test_symmetric_products_are_exactly_symmetric(shape, config):
+    # The poly product reads its input as symmetric (A A = A Aᵀ) and the tall update reads Bm so:
+    # mirrored tiles are copies, and a diagonal tile computed whole must come out symmetric too.
+    if config["impl"] == "hopper" and not HOPPER_GPU:
+        pytest.skip("the hopper kernels need TMA (sm90 and up)")
+    x = torch.randn(shape, device="cuda").bfloat16()
+    x = x.mT if x.shape[-2] > x.shape[-1] else x
+    gram = torch.empty(x.shape[0], x.shape[1], x.shape[1], dtype=x.dtype, device="cuda")
+    symmetric_product(x, gram, None, 1.0, 0.0, config)
+    poly = torch.empty_like(gram)
+    symmetric_product(gram, poly, gram, 2.0315, -4.775, config)
+    for out in (gram, poly):
+        assert torch.equal(out, out.mT)
+    assert compare_tensors("ns", "A", gram, torch.bmm(x, x.mT), NS_TOL).passed
 
 
 def _misaligned(values):

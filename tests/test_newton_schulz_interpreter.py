@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kernel_factory.generator import NEWTON_SCHULZ, interpreter_enabled
+from kernel_factory.generator import NEWTON_SCHULZ, interpreter_enabled, load
 from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate
 from kernel_factory.optimizers.newton_schulz_triton import (
     PRODUCTS,
@@ -16,6 +18,7 @@ from kernel_factory.optimizers.newton_schulz_triton import (
 from kernel_factory.optimizers.parity import compare_tensors
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
+_walk = None  # the hopper kernels' tile walk, loaded by its test
 FP32_TOL = 1e-5  # fp32 (IEEE dot, no tf32): rounding and summation order only, over 3 iterations
 SMALL = dict(impl="classic", BLOCK=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)
 # hopper: 32 x 32 symmetric tiles in groups of 2 strips (a 5 x 5 tile grid at 160 walks three
@@ -86,3 +89,28 @@ def test_rejects_tall_or_unsupported_inputs():
         triton_newton_schulz(torch.randn(1, 72, 40), coefficient_schedule(None, 1), SMALL)
     with pytest.raises(ValueError, match="bf16 or fp32"):
         triton_newton_schulz(torch.randn(1, 8, 8, dtype=torch.float64), coefficient_schedule(None, 1), SMALL)
+
+
+@triton.jit
+def _visit(out_ptr, nt, GROUP_M: tl.constexpr):
+    t = tl.program_id(0)
+    i, j = _walk(t, nt, GROUP_M)
+    tl.store(out_ptr + 2 * t, i)
+    tl.store(out_ptr + 2 * t + 1, j)
+
+
+def test_the_hopper_symmetric_walk_visits_each_upper_tile_once():
+    # The closed form of the grouped walk over the triangle, for grids of 1 to 13 tiles a side
+    # and groups that divide the grid, do not, or exceed it. (The interpreter looks _walk up
+    # in this module when _visit runs.)
+    global _walk
+    _walk = load(NEWTON_SCHULZ, NEWTON_SCHULZ.variant(dtype="float32", variant="hopper"))._grouped_upper_tile
+    for nt in range(1, 14):
+        upper = sorted((i, j) for i in range(nt) for j in range(i, nt))
+        for group in (1, 2, 3, 4, 8, 16):
+            out = torch.full((len(upper), 2), -1, dtype=torch.int32)
+            _visit[(len(upper),)](out, nt, GROUP_M=group)
+            got = [tuple(r) for r in out.tolist()]
+            assert sorted(got) == upper, (nt, group)
+            # a group's strips come before the next group's
+            assert [i // group for i, _ in got] == sorted(i // group for i, _ in got), (nt, group)
