@@ -240,8 +240,8 @@ class AdamMini(torch.optim.Optimizer):
                     continue
                 plans, reference = self._group_plan(index, params)
                 for plan in plans:
-                    bf16, overflow, amax = plan.run(group, partial(checked_grads, plan.params))
-                    self._record_counts(plan.sub_blocks, bf16, overflow, amax, plan.fp8)
+                    plan.run(group, partial(checked_grads, plan.params))
+                    self._watch_plan(plan)
                 beta1, beta2 = (float(b) for b in group["betas"])
                 for i, p in enumerate(reference):
                     check_param_grad(i, p, p.grad)
@@ -253,6 +253,17 @@ class AdamMini(torch.optim.Optimizer):
                     sub_blocks = part.rows * fp8_layout(part.rows, part.cols, self.sub_block, 1.0)[0]
                     self._record_counts(sub_blocks, out["bf16_blocks"], out["overflow"], out["amax_update"], fp8)
         return loss
+
+    def _watch_plan(self, plan: AdamMiniTritonPlan) -> None:
+        """The plan's kernels keep its counters; the telemetry reads them when asked."""
+        t = self.telemetry
+        t.watch("amax_update", plan.step_amax)
+        if plan.fp8:
+            counts = plan.step_counts()
+            t.watch("bf16_blocks", lambda: counts[0])
+            t.watch("fp8_blocks", lambda: plan.sub_blocks - counts[0])
+            t.watch("fallback_total", lambda: counts[2], owner=plan)
+            t.watch("overflow_total", lambda: counts[3], owner=plan)
 
     def _record_counts(self, sub_blocks: int, bf16: Tensor, overflow: Tensor, amax: Tensor, fp8: bool) -> None:
         t = self.telemetry

@@ -80,38 +80,43 @@ class AdamMiniTritonPlan:
         self.fp8 = momentum == torch.float8_e4m3fn
         self.variant = ADAM_MINI.variant(multi_tensor=self.multi_tensor, param_dtype=TRITON_DTYPES[params[0].dtype],
                                          momentum=MOMENTUM_TRITON[momentum])  # fmt: skip
-        self.kernel = load(ADAM_MINI, self.variant).adam_mini_kernel
+        module = load(ADAM_MINI, self.variant)
+        self.kernel, self.begin_kernel = module.adam_mini_kernel, module.adam_mini_begin_kernel
         self.sub_block = sub_block
         layouts = [fp8_layout(q.rows, q.cols, sub_block, capacity) for q in parts]
         self.meta_rows = [(q.cols, nsub, cap) for q, (nsub, cap) in zip(parts, layouts, strict=True)]
         self.sub_blocks = sum(q.rows * nsub for q, (nsub, _) in zip(parts, layouts, strict=True)) if self.fp8 else 0
         self._dummy = torch.zeros(1, dtype=torch.int32, device=self.device)  # unused FP8 tables' target
-        # One buffer of step counts, state['step'] views of it: the kernel reads t - 1 and
-        # one add after the launch advances every tensor's count (no host sync).
+        # One buffer of step counts, state['step'] views of it, advanced on the device by the
+        # template's begin kernel, which also writes each tensor's bias-correction factors into
+        # coefs (T, 4) (no host sync).
         self.steps = torch.stack([s["step"].detach().reshape(()).to(self.device, torch.float32) for s in states])
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
+        self.coefs = torch.zeros((len(params), 4), dtype=torch.float32, device=self.device)
+        # Likewise one (T, 2) buffer of pool counters (FP8): the begin kernel clears the half this
+        # step counts its requests in; the other half, last step's, lets the update skip the pool
+        # gather in tensors that made no request.
+        self.used = self._dummy
         if self.fp8:
-            # Likewise one (T, 2) buffer of pool counters: after each launch one masked fill clears
-            # the half the step read, which the next step writes (the kernel reads that count to
-            # skip the pool gather in tensors that made no request).
             self.used = torch.stack([s["exp_avg_pool_used"].to(self.device, torch.int32) for s in states])
             for i, s in enumerate(states):
                 s["exp_avg_pool_used"] = self.used[i]
-            self._halves = torch.arange(2, device=self.device)
-        self.tel_count = torch.zeros(2, dtype=torch.int32, device=self.device)
-        self.tel_amax = torch.zeros(1, dtype=torch.float32, device=self.device)
+        # Telemetry, read only when asked: int64 (bf16 sub-blocks, overflows) of the last step, then
+        # their running totals; the last step's max |update| is the max over the amax slots.
+        self.tel_count = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.tel_amax = torch.zeros(module.AMAX_SLOTS.value * 32, dtype=torch.float32, device=self.device)
         arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
         total = sum(p.numel() for p in params)
         self.configure(select(ADAM_MINI, arch, self.variant, self.variant["param_dtype"], total))
         if self.multi_tensor:
             self._grads = GradTable(self.device, len(params))
-            self._tables = [self._table(key) for key in ("p", "m", "scale", "pool", "used", "v", "step")]
+            self._tables = [self._table(key) for key in ("p", "m", "scale", "pool", "used", "v")]
 
     def _tensor(self, i: int, key: str) -> Tensor:
         state = self.states[i]
         name = {"p": None, "m": "exp_avg", "scale": "exp_avg_scale", "pool": "exp_avg_pool",
-                "used": "exp_avg_pool_used", "v": "exp_avg_sq", "step": "step"}[key]  # fmt: skip
+                "used": "exp_avg_pool_used", "v": "exp_avg_sq"}[key]  # fmt: skip
         if name is None:
             return self.params[i]
         return state.get(name, self._dummy) if key in ("scale", "pool", "used") else state[name]
@@ -145,27 +150,25 @@ class AdamMiniTritonPlan:
         aligned = all(self._tensor(i, k).data_ptr() % 16 == 0 for k in ("p", "m", "pool", "v"))
         return aligned and self.parts[i].cols % VECTOR == 0
 
-    def _scalars(self, group: dict) -> tuple[float, ...]:
+    def run(self, group: dict, checked_grads) -> None:
+        """One step (the begin kernel, then the update launches); ``checked_grads()`` returns the
+        grads validated. Its telemetry stays on the device: ``step_counts``, ``step_amax``."""
         b1, b2 = (float(b) for b in group["betas"])
         lr = float(group["lr"])
-        decay = 1.0 - lr * float(group["weight_decay"])
-        return (lr, b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), float(group["eps"]), decay)
-
-    def run(self, group: dict, checked_grads) -> tuple[Tensor, Tensor, Tensor]:
-        """One step. Returns this step's (bf16 sub-blocks, overflows, max |update|) as device
-        tensors; ``checked_grads()`` returns the grads validated."""
-        self.tel_count.zero_()
-        self.tel_amax.zero_()
-        scalars = self._scalars(group)
+        n = len(self.params)
+        block = min(1024, 1 << (n - 1).bit_length())
+        self.begin_kernel[(-(-n // block),)](self.steps, self.coefs, self.used, self.tel_count, self.tel_amax,
+                                                    n, lr, *log2_pair(b1), *log2_pair(b2), BLOCK=block)  # fmt: skip
+        scalars = (lr, b2, 1.0 - b1, 1.0 - b2, float(group["eps"]), 1.0 - lr * float(group["weight_decay"]))
         launch = dict(COLS=self.config["COLS"], SUB=self.sub_block, num_warps=self.config["num_warps"],
                       num_stages=self.config["num_stages"])  # fmt: skip
         if self.multi_tensor:
-            p_t, m_t, s_t, pool_t, used_t, v_t, step_t = self._tables
+            p_t, m_t, s_t, pool_t, used_t, v_t = self._tables
             g_t = self._grads.update(self.params, checked_grads)
             for (_, vec, rows, (w0, w1, w2)), items in self._launches:
                 self.kernel[(items.shape[0],)](
-                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, step_t, self.tel_count, self.tel_amax,
-                    *scalars, **launch, ROWS=rows, VEC=vec, W0=w0, W1=w1, W2=w2,
+                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, self.coefs, self.tel_count,
+                    self.tel_amax, *scalars, **launch, ROWS=rows, VEC=vec, W0=w0, W1=w1, W2=w2,
                 )  # fmt: skip
         else:
             grads = checked_grads()
@@ -173,10 +176,14 @@ class AdamMiniTritonPlan:
                 cols, nsub, cap = self.meta_rows[i]
                 self.kernel[(items.shape[0],)](
                     items, self.params[i], grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
-                    "used", "v", "step")), self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch,
+                    "used", "v")), self.coefs[i], self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch,
                     ROWS=rows, VEC=1, W0=w0, W1=w1, W2=w2,
                 )  # fmt: skip
-        if self.fp8:  # the kernel read half (t - 1) % 2 of the counters at step t = steps + 1
-            self.used.masked_fill_(self.steps.remainder(2)[:, None] == self._halves, 0)
-        self.steps.add_(1.0)
-        return self.tel_count[0], self.tel_count[1], self.tel_amax[0]
+
+    def step_counts(self) -> Tensor:
+        """int64 (4,): the last step's bf16 sub-blocks and overflows, then both as running totals."""
+        return self.tel_count
+
+    def step_amax(self) -> Tensor:
+        """The last step's largest |Adam update| (0-d fp32; one reduction, run when called)."""
+        return self.tel_amax.max()

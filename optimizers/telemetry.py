@@ -1,8 +1,10 @@
 """Optimizer telemetry: counters that live on the device and are read only when asked.
 
-Any optimizer owns a ``Telemetry`` and, inside ``step()``, adds to its counters with tensor
-ops (``add``, ``max``) on the device: nothing synchronises until ``summary()`` is called.
-Step time is measured with CUDA events around ``step()`` when ``time_steps`` is on.
+Any optimizer owns a ``Telemetry`` and, inside ``step()``, either adds to its counters with
+tensor ops (``add``: one small device op each) or, cheaper, points it at counters its kernels
+keep in their own buffers (``watch``: no device op until asked). Nothing synchronises until
+``summary()`` is called. Step time is measured with CUDA events around ``step()`` when
+``time_steps`` is on.
 
     opt.telemetry.summary()      # {'steps': 10, 'fp8_blocks': ..., 'step_ms_mean': ...}
     print(opt.telemetry.table())
@@ -10,6 +12,7 @@ Step time is measured with CUDA events around ``step()`` when ``time_steps`` is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +31,9 @@ class Telemetry:
         self.time_steps = time_steps
         self._values: dict[str, Tensor] = {}
         self._step_values: dict[str, Tensor] = {}
+        self._step_reads: dict[str, list[Callable]] = {}  # this step's watched values
+        self._total_reads: dict[str, dict[object, Callable]] = {}  # watched running totals, by owner
+        self._baseline: dict[str, float] = {}  # watched totals at the last reset()
         self._events: list[tuple] = []
         self.steps = 0
 
@@ -46,11 +52,22 @@ class Telemetry:
         else:
             slot.add_(value.detach().to(slot.dtype))
 
+    def watch(self, name: str, read: Callable[[], Tensor | float], owner: object = None) -> None:
+        """Fold ``read()`` into counter ``name`` when ``summary()`` is called, not now, so that a
+        kernel can keep the counter in its own buffer at no extra device op per step. STEP_SUM
+        and STEP_MAX counters: ``read()`` is this step's value (watched anew every step). TOTAL:
+        ``read()`` is a running total its ``owner`` keeps (watched once per owner)."""
+        if self.kinds[name] == TOTAL:
+            self._total_reads.setdefault(name, {})[owner] = read
+        else:
+            self._step_reads.setdefault(name, []).append(read)
+
     @contextmanager
     def step(self, device: torch.device | None = None):
         """Wrap one optimizer step: resets the per-step counters, counts the step, times it."""
         for t in self._step_values.values():
             t.zero_()
+        self._step_reads.clear()
         timed = self.time_steps and device is not None and device.type == "cuda"
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -66,7 +83,9 @@ class Telemetry:
         out: dict[str, float] = {"steps": self.steps}
         for name in self.kinds:
             t = self._values.get(name, self._step_values.get(name))
-            out[name] = float(t) if t is not None else 0.0
+            values = ([float(t)] if t is not None else []) + [float(r()) for r in self._watched(name)]
+            combine = max if self.kinds[name] == STEP_MAX else sum
+            out[name] = combine(values) - self._baseline.get(name, 0.0) if values else 0.0
         if self._events:
             ms = [s.elapsed_time(e) for s, e in self._events]
             out["step_ms_mean"] = sum(ms) / len(ms)
@@ -79,7 +98,13 @@ class Telemetry:
         width = max(map(len, items))
         return "\n".join(f"{k:<{width}}  {v:g}" for k, v in items.items())
 
+    def _watched(self, name: str) -> list[Callable]:
+        return self._step_reads.get(name, []) + list(self._total_reads.get(name, {}).values())
+
     def reset(self) -> None:
+        """Zero every counter (watched running totals are read once here, to count from)."""
+        self._baseline = {n: sum(float(r()) for r in reads.values()) for n, reads in self._total_reads.items()}
+        self._step_reads.clear()
         self._values.clear()
         self._step_values.clear()
         self._events.clear()

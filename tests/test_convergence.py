@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -95,3 +96,21 @@ def test_ours_and_torch_fused_train_to_the_same_losses():
     assert loss_agreement(results, "kernel_factory_adamw", "torch_adamw_fused") <= 1e-5
     assert results[0]["rows"][-1]["train_loss"] < results[0]["rows"][0]["train_loss"]
     assert results[0]["state_bytes_per_param"] == pytest.approx(8, abs=0.01)
+
+
+def test_lr_option_keeps_the_sweep_runs_apart(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.convergence.train import main
+
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT * 3)
+    args = ["--size", "cpu", "--steps", "2", "--optimizers", "torch_adamw_fused", "--data", str(data),
+            "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert main(args + ["--lr", "1e-3"]) == 0
+    assert main(args) == 0  # the size's own lr: the plain tag
+    swept = json.loads((tmp_path / "convergence_cpu_lr0.001" / "torch_adamw_fused.json").read_text())
+    plain = json.loads((tmp_path / "convergence_cpu" / "torch_adamw_fused.json").read_text())
+    assert swept["run_config"]["lr"] == 1e-3 and plain["run_config"]["lr"] == 3e-3
+    assert "--lr 1e-3" in swept["command"] and (tmp_path / "convergence_cpu_lr0.001.md").exists()
+    with pytest.raises(SystemExit):
+        main(args + ["--lr", "0"])

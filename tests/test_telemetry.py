@@ -20,3 +20,23 @@ def test_counters_combine_by_kind_and_are_read_only_on_request():
     assert "events" in t.table()
     t.reset()
     assert t.summary()["events"] == 0.0 and t.summary()["steps"] == 0
+
+
+def test_watched_counters_are_read_at_summary_time():
+    t = Telemetry({"events": TOTAL, "blocks": STEP_SUM, "amax": STEP_MAX})
+    buffer = torch.zeros(3)  # a kernel's own counters: blocks this step, running total of events, amax
+    for step, values in enumerate(([2.0, 5.0], [1.0, 3.0])):
+        with t.step():
+            buffer[0], buffer[2] = values[0], values[1]
+            buffer[1] += values[0]
+            t.add("blocks", torch.tensor(10.0))  # eager and watched values combine
+            t.watch("blocks", lambda: buffer[0])
+            t.watch("amax", lambda: buffer[2])
+            t.watch("events", lambda: buffer[1], owner="kernel")  # once per owner, however often
+        if step == 0:
+            assert t.summary() == {"steps": 1, "events": 2.0, "blocks": 12.0, "amax": 5.0}
+    # Step values are the last step's only (the first step's reads were dropped), totals keep adding.
+    assert t.summary() == {"steps": 2, "events": 3.0, "blocks": 11.0, "amax": 3.0}
+    t.reset()
+    buffer[1] += 4.0
+    assert t.summary()["events"] == 4.0  # counted from the reset

@@ -2,12 +2,14 @@
 schedule; record losses, step times, peak memory and optimizer state bytes per parameter.
 
     python -m benchmarks.convergence [--size cpu|gpu] [--optimizers a,b,...] [--steps N]
-        [--data PATH] [--out DIR]
+        [--lr PEAK] [--data PATH] [--out DIR]
 
-Each optimizer's run is saved as it finishes (<out>/convergence_<size>/<name>.json, with its
-run config); <out>/convergence_<size>.csv (every step), .md (summary) and .png (loss curves)
+Each optimizer's run is saved as it finishes (<out>/convergence_<tag>/<name>.json, with its
+run config); <out>/convergence_<tag>.csv (every step), .md (summary) and .png (loss curves)
 are then written from every saved run of the same config and corpus, so a long comparison
-can be split over several invocations (``--optimizers``).
+can be split over several invocations (``--optimizers``). The tag is the size, plus the peak
+learning rate when ``--lr`` changes it from the size's (``gpu_lr0.0012``): runs of an lr sweep
+keep tables of their own.
 """
 
 from __future__ import annotations
@@ -235,6 +237,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default=None, help="default: gpu with CUDA, else cpu")
     ap.add_argument("--optimizers", default=None, help="comma-separated registry names (default: all available)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the size's)")
     ap.add_argument("--data", type=Path, default=DEFAULT_CORPUS, help="any UTF-8 text file")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-progress", action="store_true")
@@ -242,6 +245,10 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = args.size or ("gpu" if device == "cuda" else "cpu")
     rc = SIZES[size] if args.steps is None else replace(SIZES[size], steps=args.steps)
+    if args.lr is not None and args.lr <= 0:
+        ap.error(f"--lr must be positive, got {args.lr}")
+    tag = size if args.lr in (None, rc.lr) else f"{size}_lr{args.lr:g}"
+    rc = rc if args.lr is None else replace(rc, lr=args.lr)
     specs, notes = select(args.optimizers.split(",") if args.optimizers else None, device)
     for note in notes:
         print(note)
@@ -249,9 +256,9 @@ def main(argv=None) -> int:
     for spec in specs:
         t0 = time.perf_counter()
         result = train_one(spec, corpus, rc, device, progress=not args.no_progress)
-        save_run(result, rc, args.data.name, args.out, size, nox_command("convergence", argv))
+        save_run(result, rc, args.data.name, args.out, tag, nox_command("convergence", argv))
         print(f"{spec.name}: final val loss {result['final_val']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    results = load_runs(rc, args.data.name, args.out, size, list(REGISTRY))
+    results = load_runs(rc, args.data.name, args.out, tag, list(REGISTRY))
     names = [r["optimizer"] for r in results]
     for peer in ("torch_adamw_fused", "torch_adamw_foreach"):
         if OURS in names and peer in names:
@@ -265,5 +272,5 @@ def main(argv=None) -> int:
               f"Commands: {'; '.join(f'`{c}`' for c in commands)}")  # fmt: skip
     title = (f"{results[0]['params'] / 1e6:.1f}M-parameter char model, {rc.steps} steps on {args.data.name} "
              f"({where})")  # fmt: skip
-    write_results(results, notes, args.out, size, header, title)
+    write_results(results, notes, args.out, tag, header, title)
     return 0
