@@ -10,7 +10,9 @@ last sub-block of a row may be shorter; sub-blocks never cross rows):
                         half t % 2 and read at step t + 1, so no step overwrites a slot that
                         another sub-block of the same step still has to read;
 - ``exp_avg_pool_used`` int32 (2,): slots handed out in each half (the counter of half t % 2
-                        counts requests, so anything past ``capacity`` is an overflow).
+                        counts requests, so anything past ``capacity`` is an overflow). The
+                        other half holds step t - 1's count until step t + 1 starts (the
+                        kernel) or is cleared at once (this reference); neither reads it.
 
 A sub-block falls back to bf16 when FP8 would lose it: more than UNDERFLOW_FRACTION of its
 elements are non-zero but round to zero, or its normwise relative error exceeds
