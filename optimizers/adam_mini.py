@@ -225,6 +225,10 @@ class AdamMini(torch.optim.Optimizer):
                 buckets.setdefault((p.device, p.dtype, state["exp_avg"].dtype), []).append(p)
         plans = [AdamMiniTritonPlan(ps, [self.state[p] for p in ps], [self._parts[id(p)] for p in ps],
                                     self.sub_block, self.fallback_capacity) for ps in buckets.values()]  # fmt: skip
+        for plan in plans:  # running totals kept by the plan's kernels (int64 tel_count[2:4])
+            if plan.fp8:
+                self.telemetry.watch("fallback_total", lambda c=plan.tel_count: c[2], owner=plan)
+                self.telemetry.watch("overflow_total", lambda c=plan.tel_count: c[3], owner=plan)
         self._plans[index] = (key, plans, reference)
         return plans, reference
 
@@ -255,15 +259,13 @@ class AdamMini(torch.optim.Optimizer):
         return loss
 
     def _watch_plan(self, plan: AdamMiniTritonPlan) -> None:
-        """The plan's kernels keep its counters; the telemetry reads them when asked."""
+        """This step's counters, kept by the plan's kernels, read by the telemetry when asked
+        (the running totals are watched once, in _group_plan)."""
         t = self.telemetry
         t.watch("amax_update", plan.step_amax)
         if plan.fp8:
-            counts = plan.step_counts()
-            t.watch("bf16_blocks", lambda: counts[0])
-            t.watch("fp8_blocks", lambda: plan.sub_blocks - counts[0])
-            t.watch("fallback_total", lambda: counts[2], owner=plan)
-            t.watch("overflow_total", lambda: counts[3], owner=plan)
+            t.watch("bf16_blocks", lambda: plan.tel_count[0])
+            t.watch("fp8_blocks", lambda: plan.sub_blocks - plan.tel_count[0])
 
     def _record_counts(self, sub_blocks: int, bf16: Tensor, overflow: Tensor, amax: Tensor, fp8: bool) -> None:
         t = self.telemetry

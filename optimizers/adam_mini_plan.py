@@ -152,7 +152,7 @@ class AdamMiniTritonPlan:
 
     def run(self, group: dict, checked_grads) -> None:
         """One step (the begin kernel, then the update launches); ``checked_grads()`` returns the
-        grads validated. Its telemetry stays on the device: ``step_counts``, ``step_amax``."""
+        grads validated. Its telemetry stays on the device: ``tel_count``, ``step_amax``."""
         b1, b2 = (float(b) for b in group["betas"])
         lr = float(group["lr"])
         n = len(self.params)
@@ -179,10 +179,6 @@ class AdamMiniTritonPlan:
                     "used", "v")), self.coefs[i], self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch,
                     ROWS=rows, VEC=1, W0=w0, W1=w1, W2=w2,
                 )  # fmt: skip
-
-    def step_counts(self) -> Tensor:
-        """int64 (4,): the last step's bf16 sub-blocks and overflows, then both as running totals."""
-        return self.tel_count
 
     def step_amax(self) -> Tensor:
         """The last step's largest |Adam update| (0-d fp32; one reduction, run when called)."""
