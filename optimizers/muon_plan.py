@@ -3,9 +3,12 @@ kernel_templates/muon.py.j2 or through torch's multi-tensor ops.
 
 A batch holds the matrices of one group that share one (m, n), m <= n (tall ones transposed),
 device and dtype. The Triton path reads g and the momentum buffer once and writes the buffer and
-the bf16 NS input once (tall matrices transposed tile by tile), normalizes in place, runs NS, and
-reads p and O once to write p: about 28 bytes per fp32 parameter moved outside NS, where torch's
-multi-tensor ops move about 60 (and fall back to one launch per matrix for transposed views).
+the bf16 NS input once (tall matrices transposed tile by tile) with the partial sums of its norm,
+runs NS with the normalization folded into the first iteration's products, and reads p and O once
+to write p: about 24 bytes per fp32 parameter moved outside NS, where torch's multi-tensor ops
+move about 60 (and fall back to one launch per matrix for transposed views). The CUDA batches of a
+group run their NS iterations together (newton_schulz_triton.joint_newton_schulz): two batches
+share each launch, so neither leaves SMs idle in its last wave of tiles.
 """
 
 from __future__ import annotations
@@ -30,15 +33,13 @@ from .adam_plan import TRITON_DTYPES, _warn_once
 from .checks import checked_grads
 from .grad_table import GradTable
 from .newton_schulz import coefficient_schedule, iterate
-from .newton_schulz_triton import StaticGraph
+from .newton_schulz_triton import StaticGraph, joint_newton_schulz, normalized
 
-OVERLAP_BATCHES = True  # run the NS batches of a group on side streams, side by side
-# Replay a CUDA graph of each CUDA batch's NS iterations (captured on the batch's static input
-# at its first step) instead of issuing their 15 launches from the host. On the H200, without
-# the graphs the host took 1.6 to 3.2 ms to issue a 134M hidden-list step whose kernels ran
-# 3.3 ms, and the GPU waited between launches; with them it takes 0.4 to 0.9 ms.
-# The graph's memory pool keeps the iterations' workspace (2 Gram-sized and 2 X-sized bf16
-# buffers per batch) between steps.
+# Replay a CUDA graph of a device's NS iterations (captured on the batches' static inputs at the
+# first step) instead of issuing their launches from the host. On the H200, without the graphs
+# the host took 1.6 to 3.2 ms to issue a 134M hidden-list step whose kernels ran 3.3 ms, and the
+# GPU waited between launches; with them it takes 0.4 to 0.9 ms. The graph's memory pool keeps
+# the iterations' workspace (2 Gram-sized and 2 X-sized bf16 buffers per batch) between steps.
 GRAPH_NS = True
 
 
@@ -119,8 +120,9 @@ class TritonBatch(MuonBatch):
         self.config = dict(select(MUON, arch, MUON.variant(**self._variant), self._variant["param_dtype"],
                                   len(params) * m * n))  # fmt: skip
         self._kernels: dict[bool, object] = {}
+        # NS's input, not normalized, and the norm that divides it (static: a CUDA graph reads them)
         self.x = torch.empty((len(params), m, n), dtype=torch.bfloat16, device=self.device)
-        self._ns_graph: tuple[tuple, StaticGraph] | None = None  # (schedule, its graph)
+        self.norm = torch.empty(len(params), dtype=torch.float32, device=self.device)
         self.flags = torch.tensor(self.transposed, dtype=torch.int32).to(self.device)
         if multi_tensor:
             as_table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64).to(self.device)  # noqa: E731
@@ -143,7 +145,8 @@ class TritonBatch(MuonBatch):
         return tiles, dict(**blocks, num_warps=self.config["num_warps"])
 
     def prepare(self, h: MuonHyper) -> Tensor:
-        """Update the momentum buffers and return NS's normalized input X (B, m, n) bf16."""
+        """Update the momentum buffers, write NS's input X (B, m, n) bf16 and its norms (B,) fp32
+        (``self.norm``); return X, which NS divides by the norms."""
         k = self.kernels(h.nesterov)
         m, n, batch = self.m, self.n, len(self.params)
         tiles, launch = self._launch()
@@ -157,7 +160,7 @@ class TritonBatch(MuonBatch):
             for i, (g, buf) in enumerate(zip(self.grads(), self.bufs, strict=True)):
                 k.momentum_kernel[(tiles,)](g.contiguous(), buf, int(self.transposed[i]), self.x[i], partial[i],
                                             m, n, mu, 1 - mu, **launch)  # fmt: skip
-        k.normalize_kernel[(tiles, batch)](self.x, partial.sum(1), m, n, h.eps_bf16, **launch)
+        k.norm_kernel[(batch,)](partial, self.norm, tiles, h.eps_bf16, BLOCK_T=NORM_BLOCK)
         return self.x
 
     def apply(self, h: MuonHyper, ortho: Tensor) -> None:
@@ -175,20 +178,33 @@ class TritonBatch(MuonBatch):
                 k.apply_kernel[(tiles,)](p, int(self.transposed[i]), ortho[i], m, n, decay, lr_wide, lr_tall,
                                          **launch)  # fmt: skip
 
-    def orthogonalize(self, h: MuonHyper) -> Tensor:
-        """NS on ``prepare``'s X: a replay of the batch's CUDA graph of the iterations (``GRAPH_NS``,
-        CUDA, not inside a capture), else launched directly. The result is valid until the next call."""
-        if not (GRAPH_NS and self.x.is_cuda) or torch.cuda.is_current_stream_capturing():
-            return iterate(self.x, h.schedule)
-        key = tuple(h.schedule)
-        if self._ns_graph is None or self._ns_graph[0] != key:
-            schedule = h.schedule
-            self._ns_graph = (key, StaticGraph(self.x, lambda x: iterate(x, schedule)))
-        return self._ns_graph[1].replay()
-
     def run(self, h: MuonHyper) -> None:
+        """The batch alone (CPU, the interpreter): NS through ``iterate`` on the normalized X."""
         self.prepare(h)
-        self.apply(h, self.orthogonalize(h).contiguous())
+        self.apply(h, iterate(normalized(self.x, self.norm), h.schedule).contiguous())
+
+
+NORM_BLOCK = 1024  # partial sums the norm kernel adds per vector step
+
+
+class JointNS:
+    """The NS iterations of one device's Triton batches, run together (``joint_newton_schulz``) on
+    their static inputs (X and norm), through a CUDA graph replay (``GRAPH_NS``) where no capture
+    is under way, captured again when the coefficient schedule changes."""
+
+    def __init__(self, batches: list[TritonBatch]) -> None:
+        self.batches = batches
+        self._graph: tuple[tuple, StaticGraph] | None = None  # (schedule, its graph)
+
+    def __call__(self, schedule: list[tuple[float, float, float]]) -> list[Tensor]:
+        run = lambda: joint_newton_schulz([b.x for b in self.batches], schedule,  # noqa: E731
+                                          norms=[b.norm for b in self.batches])  # fmt: skip
+        if not GRAPH_NS or torch.cuda.is_current_stream_capturing():
+            return run()
+        key = tuple(schedule)
+        if self._graph is None or self._graph[0] != key:
+            self._graph = (key, StaticGraph(self.batches[0].device, run))
+        return self._graph[1].replay()
 
 
 def _batch_kind(ps: list[Tensor], bufs: list[Tensor], mode: str) -> Callable[..., MuonBatch]:
@@ -235,49 +251,26 @@ class MuonGroupPlan:
             rows, cols = p.shape[0], p.numel() // max(p.shape[0], 1)
             groups.setdefault((min(rows, cols), max(rows, cols), p.device, p.dtype), []).append(p)
         self.batches: list[MuonBatch] = []
-        self._streams: dict[tuple, torch.cuda.Stream] = {}
         for (m, n, _, _), ps in groups.items():
             bufs = [state[p]["momentum_buffer"] for p in ps]
             self.batches.append(_batch_kind(ps, bufs, mode)(ps, bufs, m, n))
+        joint: dict[torch.device, list[TritonBatch]] = {}
+        for batch in self.batches:
+            if isinstance(batch, TritonBatch) and batch.device.type == "cuda":
+                joint.setdefault(batch.device, []).append(batch)
+        self.joint = [JointNS(batches) for batches in joint.values()]
 
     def run(self, group: dict) -> None:
         h = MuonHyper(group)
-        cuda = [b for b in self.batches if b.device.type == "cuda"]
         for batch in self.batches:
-            if batch.device.type != "cuda":
+            if not (isinstance(batch, TritonBatch) and batch.device.type == "cuda"):
                 batch.run(h)
-        # Side streams pay off between eager launches; in a captured graph the batches' kernels
-        # would contend with each other instead (measured: 3.56 vs 3.73 ms eager, 4.05 vs 3.71
-        # graphed, 134M hidden list, H200), so a capture runs them in order.
-        if OVERLAP_BATCHES and len(cuda) > 1 and not torch.cuda.is_current_stream_capturing():
-            self._run_overlapped(cuda, h)
-            return
-        for batch in cuda:
-            with torch.cuda.device(batch.device):  # Triton launches on the current device
-                batch.run(h)
-
-    def _run_overlapped(self, batches: list[MuonBatch], h: MuonHyper) -> None:
-        # Each batch on its own side stream, forked from and joined back into the caller's
-        # stream: one batch's memory-bound momentum and update kernels run beside another's
-        # compute-bound NS. The join orders the caller's later work, including the reuse of
-        # grads it frees, after every batch.
-        forks = []
-        for i, batch in enumerate(batches):
-            with torch.cuda.device(batch.device):
-                main, side = torch.cuda.current_stream(), self._stream(i, batch.device)
-                side.wait_stream(main)  # all forks before any join: the batches do not wait on each other
-                forks.append((batch, main, side))
-        for batch, _, side in forks:
-            with torch.cuda.device(batch.device), torch.cuda.stream(side):
-                batch.run(h)
-        for _, main, side in forks:
-            main.wait_stream(side)
-
-    def _stream(self, i: int, device: torch.device) -> torch.cuda.Stream:
-        key = (i, device)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device)
-        return self._streams[key]
+        for ns in self.joint:
+            with torch.cuda.device(ns.batches[0].device):  # Triton launches on the current device
+                for batch in ns.batches:
+                    batch.prepare(h)
+                for batch, ortho in zip(ns.batches, ns(h.schedule), strict=True):
+                    batch.apply(h, ortho.contiguous())
 
 
 def muon_group_plan(plans: dict[int, MuonGroupPlan], index: int, params: list[Tensor], state: dict,

@@ -48,29 +48,55 @@ def ns_config(x: Tensor) -> dict[str, Mapping]:
             for product in PRODUCTS}  # fmt: skip
 
 
+def _work(x: Tensor) -> int:
+    return iteration_flops(*x.shape)
+
+
+def normalized(x: Tensor, norm: Tensor) -> Tensor:
+    """x[b] / norm[b] rounded to x's dtype, as torch's NS divides its bf16 input by the norm:
+    x (B, m, n), norm (B,) fp32."""
+    return x.float().div(norm[:, None, None]).to(x.dtype)
+
+
+def joint_newton_schulz(xs: list[Tensor], schedule: list[tuple[float, float, float]], config: Mapping | None = None,
+                        norms: list[Tensor] | None = None) -> list[Tensor]:  # fmt: skip
+    """The iterations of ``schedule`` on each batch x (B, m, n), m <= n, bf16 or fp32 (the
+    interpreter's), any strides (a transposed tall matrix); not written. The batches' products run
+    in the same launches where the hopper kernels take them (two batches a launch), so one batch's
+    tiles fill the SMs another's last wave leaves idle.
+
+    ``norms``: None (x is normalized already) or one (B,) fp32 tensor per batch, x[b] standing for
+    x[b] / norm[b]: the first iteration's products scale by it (SCALED), or where its Gram or
+    update product is torch's, x is divided first (``normalized``). ``config``: one newton_schulz
+    config or one per product (``per_product``), by default the tuned ones of the batch with the
+    most work; each product's ``impl`` picks its kernels: "classic", "hopper" where ``hopper_fits``
+    (else the classic ones with the same tiles) or "torch" (torch's batched matmuls). Returns one
+    new (B, m, n) tensor of x's dtype per batch: contiguous, or where the update runs the hopper
+    kernel on a transposed x, the transposed view of a contiguous (B, n, m) one."""
+    for x in xs:
+        if x.dtype not in TRITON_DTYPES or x.dim() != 3 or x.shape[1] > x.shape[2]:
+            raise ValueError(f"triton_newton_schulz takes (B, m, n), m <= n, bf16 or fp32; got {tuple(x.shape)} "
+                             f"{x.dtype}")  # fmt: skip
+    configs = per_product(config or ns_config(max(xs, key=_work)))
+    if norms is not None and (not schedule or "torch" in (configs["gram"]["impl"], configs["update"]["impl"])):
+        xs, norms = [normalized(x, n) for x, n in zip(xs, norms, strict=True)], None
+    grams = [torch.empty(x.shape[0], x.shape[1], x.shape[1], dtype=x.dtype, device=x.device) for x in xs]
+    polys = [torch.empty_like(g) for g in grams]
+    outs: list[list[Tensor]] = []
+    for step, (a, b, c) in enumerate(schedule):
+        scale = norms if step == 0 else None
+        symmetric_product(xs, grams, None, 1.0, 0.0, configs["gram"], scale)
+        symmetric_product(grams, polys, grams, c, b, configs["poly"])
+        if len(outs) < 2:  # two buffers in turn, laid out as the update writes them
+            outs.append([update_output(x, configs["update"]) for x in xs])
+        xs = update_product(polys, xs, outs[step % 2], a, configs["update"], scale)
+    return xs if schedule else [x.clone(memory_format=torch.contiguous_format) for x in xs]
+
+
 def triton_newton_schulz(x: Tensor, schedule: list[tuple[float, float, float]],
                          config: Mapping | None = None) -> Tensor:  # fmt: skip
-    """The iterations of ``schedule`` on x (B, m, n), m <= n, already normalized; x may be any
-    strided view (a transposed tall matrix) and is not written. bf16 or fp32 (the interpreter's).
-    ``config``: one newton_schulz config or one per product (``per_product``); each product's
-    ``impl`` picks its kernels: "classic", "hopper" where ``hopper_fits`` (else the classic ones
-    with the same tiles) or "torch" (torch's batched matmuls). Returns a new (B, m, n) tensor of
-    x's dtype: contiguous, or where the update runs the hopper kernel on a transposed x, the
-    transposed view of a contiguous (B, n, m) one."""
-    if x.dtype not in TRITON_DTYPES or x.dim() != 3 or x.shape[1] > x.shape[2]:
-        raise ValueError(f"triton_newton_schulz takes (B, m, n), m <= n, bf16 or fp32; got {tuple(x.shape)} {x.dtype}")
-    configs = per_product(config or ns_config(x))
-    batch, m, _ = x.shape
-    gram = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
-    poly = torch.empty_like(gram)
-    outs: list[Tensor] = []
-    for step, (a, b, c) in enumerate(schedule):
-        symmetric_product(x, gram, None, 1.0, 0.0, configs["gram"])
-        symmetric_product(gram, poly, gram, c, b, configs["poly"])
-        if len(outs) < 2:  # two buffers in turn, laid out as the update writes them
-            outs.append(update_output(x, configs["update"]))
-        x = update_product(poly, x, outs[step % 2], a, configs["update"])
-    return x if schedule else x.clone(memory_format=torch.contiguous_format)
+    """``joint_newton_schulz`` of one normalized batch x (B, m, n), m <= n."""
+    return joint_newton_schulz([x], schedule, config)[0]
 
 
 def _kernels(x: Tensor, variant: str):
@@ -86,37 +112,68 @@ def _launch(config: Mapping) -> dict:
     return dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
-def symmetric_product(x: Tensor, out: Tensor, c: Tensor | None, alpha: float, beta: float, config: Mapping) -> None:
-    """out = alpha X Xᵀ (+ beta C): x (B, m, k) any strides (the Gram product, k = n) or the
-    symmetric (B, m, m) gram (the poly product, with C := gram: c A Aᵀ + b A); out and C
-    contiguous (B, m, m)."""
-    product = "gram" if c is None else "poly"
-    impl = _impl(config, x, product)
-    if impl == "torch" and c is None:
-        torch.bmm(x, x.mT, out=out)
-        return
-    if impl == "torch":
-        torch.baddbmm(c, x, x.mT, beta=beta, alpha=alpha, out=out)
-        return
-    kernels = _kernels(x, impl)
+def _hopper_pairs(parts: list[tuple], contraction: Callable[[tuple], int]) -> list[tuple[tuple, tuple | None]]:
+    """The parts of the hopper launches, two a launch, the longer contraction first in each (its
+    tiles take longest: dealt first, the other part's fill the last wave)."""
+    parts = sorted(parts, key=contraction, reverse=True)
+    return [(parts[i], parts[i + 1] if i + 1 < len(parts) else None) for i in range(0, len(parts), 2)]
+
+
+def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | None, alpha: float, beta: float,
+                      config: Mapping, norms: list[Tensor] | None = None) -> None:  # fmt: skip
+    """out = alpha X Xᵀ (+ beta C) for each batch x (B, m, k), any strides (the Gram product, k = n)
+    or the symmetric (B, m, m) gram (the poly product, with C := gram: c A Aᵀ + b A); out and C
+    contiguous (B, m, m). ``norms``: X[b] stands for X[b] / norm[b] (classic and hopper kernels)."""
+    product = "gram" if cs is None else "poly"
+    parts = list(zip(xs, outs, cs or outs, norms or [None] * len(xs), strict=True))  # C: not read without HAS_C
+    hopper = []
+    for x, out, c, norm in parts:
+        impl = _impl(config, x, product)
+        if impl == "hopper":
+            hopper.append((x, out, c, norm))
+        elif impl == "torch" and norm is not None:
+            raise ValueError("symmetric_product: torch's matmuls take a normalized x (no norm)")
+        elif impl == "torch" and product == "gram":
+            torch.bmm(x, x.mT, out=out)
+        elif impl == "torch":
+            torch.baddbmm(c, x, x.mT, beta=beta, alpha=alpha, out=out)
+        else:
+            _classic_symmetric(x, out, c, norm, alpha, beta, product == "poly", config)
+    for first, second in _hopper_pairs(hopper, lambda part: part[0].shape[2]):
+        _hopper_symmetric(first, second, alpha, beta, product == "poly", config)
+
+
+def _classic_symmetric(x, out, c, norm, alpha, beta, has_c: bool, config: Mapping) -> None:
     batch, m, k = x.shape
-    c = out if c is None else c  # not read without HAS_C
-    block, block_k = config["BLOCK"], config["BLOCK_K"]
+    block = config["BLOCK"]
     tiles = -(-m // block) * (-(-m // block) + 1) // 2
-    shapes = dict(HAS_C=product == "poly", BLOCK=block, BLOCK_K=block_k, **_launch(config))
-    if impl == "classic":
-        kernels.sym_kernel[(tiles, batch)](x, c, out, m, k, *x.stride(), *c.stride(), *out.stride(), alpha, beta,
-                                           **shapes)  # fmt: skip
-        return
+    _kernels(x, "classic").sym_kernel[(tiles, batch)](
+        x, c, out, out if norm is None else norm, m, k, *x.stride(), *c.stride(), *out.stride(), alpha, beta,
+        HAS_C=has_c, SCALED=norm is not None, BLOCK=block, BLOCK_K=config["BLOCK_K"], **_launch(config))  # fmt: skip
+
+
+def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, has_c: bool, config: Mapping) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor  # host-built TMA descriptors
 
-    tall = _transposed(x)
-    s = x.mT if tall else x.contiguous()  # the storage: (B, k, m) if tall else (B, m, k)
-    x_desc = TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [block_k, block] if tall else [block, block_k])
-    out_desc, c_desc = (TensorDescriptor.from_tensor(t, [1, block, block]) for t in (out, c))  # clipped per matrix
+    block, block_k = config["BLOCK"], config["BLOCK_K"]
+
+    def part(x, out, c, norm):
+        tall = _transposed(x)
+        s = x.mT if tall else x.contiguous()  # the storage: (B, k, m) if tall else (B, m, k)
+        x_block = [block_k, block] if tall else [block, block_k]
+        x_desc = TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), x_block)
+        out_desc, c_desc = (TensorDescriptor.from_tensor(t, [1, block, block]) for t in (out, c))  # clipped per matrix
+        return (x_desc, out_desc, c_desc, out if norm is None else norm, *x.shape), tall
+
+    args, tall = part(*first)
+    # An absent second part is the first one with no matrices: its loop runs no tiles.
+    args2, tall2 = part(*second) if second is not None else ((*args[:4], 0, *args[5:]), tall)
+    x = first[0]
+    tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a in (args, args2))
     sms = _sm_count(x)
-    kernels.sym_kernel[(min(sms, batch * tiles),)](x_desc, out_desc, c_desc, batch, m, k, alpha, beta, TRANS_X=tall,
-                                                   GROUP_M=config["GROUP_M"], NUM_SMS=sms, **shapes)  # fmt: skip
+    _kernels(x, "hopper").sym_kernel[(min(sms, tiles),)](
+        *args, *args2, alpha, beta, HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2,
+        BLOCK=block, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], NUM_SMS=sms, **_launch(config))  # fmt: skip
 
 
 def update_output(x: Tensor, config: Mapping) -> Tensor:
@@ -127,37 +184,65 @@ def update_output(x: Tensor, config: Mapping) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def update_product(poly: Tensor, x: Tensor, out: Tensor, a: float, config: Mapping) -> Tensor:
-    """out = a X + Bm X: poly Bm (B, m, m) contiguous and symmetric, x (B, m, n) any strides, out
-    from ``update_output``. Returns out."""
-    impl = _impl(config, x, "update")
-    if impl == "torch":
-        return torch.baddbmm(x, poly, x, beta=a, out=out)
-    kernels = _kernels(x, impl)
+def update_product(polys: list[Tensor], xs: list[Tensor], outs: list[Tensor], a: float, config: Mapping,
+                   norms: list[Tensor] | None = None) -> list[Tensor]:  # fmt: skip
+    """out = a X + Bm X for each batch: poly Bm (B, m, m) contiguous and symmetric, x (B, m, n) any
+    strides, out from ``update_output``. ``norms``: X[b] stands for X[b] / norm[b] (Bm comes from
+    the scaled Gram matrix; classic and hopper kernels). Returns outs."""
+    hopper = []
+    for poly, x, out, norm in zip(polys, xs, outs, norms or [None] * len(xs), strict=True):
+        impl = _impl(config, x, "update")
+        if impl == "hopper":
+            hopper.append((poly, x, out, norm))
+        elif impl == "torch" and norm is not None:
+            raise ValueError("update_product: torch's matmuls take a normalized x (no norm)")
+        elif impl == "torch":
+            torch.baddbmm(x, poly, x, beta=a, out=out)
+        else:
+            _classic_update(poly, x, out, norm, a, config)
+    for first, second in _hopper_pairs(hopper, lambda part: part[1].shape[1]):
+        _hopper_update(first, second, a, config)
+    return outs
+
+
+def _classic_update(poly, x, out, norm, a, config: Mapping) -> None:
     batch, m, n = x.shape
-    block, block_n, block_k = config["BLOCK"], config["BLOCK_N"], config["BLOCK_K"]
-    shapes = dict(BLOCK=block, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config))
-    if impl == "classic":
-        grid = (-(-m // block) * -(-n // block_n), batch)
-        kernels.update_kernel[grid](poly, x, out, m, n, *poly.stride(), *x.stride(), *out.stride(), a, **shapes)
-        return out
+    block, block_n = config["BLOCK"], config["BLOCK_N"]
+    grid = (-(-m // block) * -(-n // block_n), batch)
+    _kernels(x, "classic").update_kernel[grid](
+        poly, x, out, out if norm is None else norm, m, n, *poly.stride(), *x.stride(), *out.stride(), a,
+        SCALED=norm is not None, BLOCK=block, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
+
+
+def _hopper_update(first: tuple, second: tuple | None, a, config: Mapping) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    # Wide: out = a X + Bm X. Tall, in X's storage S = Xᵀ (B, n, m): outᵀ = a S + S Bm (Bm symmetric).
-    tall = _transposed(x)
-    s, o = (x.mT, out.mT) if tall else (x.contiguous(), out)
-    if not o.is_contiguous():
-        raise RuntimeError("update_product: the hopper kernel writes a contiguous result in x's storage layout "
-                           "(use update_output)")  # fmt: skip
-    rows, cols = s.shape[1:]
-    flat, gram = s.reshape(batch * rows, cols), poly.view(batch * m, m)
-    left, right = (flat, gram) if tall else (gram, flat)
+    block, block_n, block_k = config["BLOCK"], config["BLOCK_N"], config["BLOCK_K"]
+
+    def part(poly, x, out, norm):
+        # Wide: out = a X + Bm X. Tall, in X's storage S = Xᵀ (B, n, m): outᵀ = a S + S Bm (Bm symmetric).
+        batch, m, _ = x.shape
+        tall = _transposed(x)
+        s, o = (x.mT, out.mT) if tall else (x.contiguous(), out)
+        if not o.is_contiguous():
+            raise RuntimeError("update_product: the hopper kernel writes a contiguous result in x's storage layout "
+                               "(use update_output)")  # fmt: skip
+        rows, cols = s.shape[1:]
+        flat, gram = s.reshape(batch * rows, cols), poly.view(batch * m, m)
+        left, right = (flat, gram) if tall else (gram, flat)
+        return (TensorDescriptor.from_tensor(left, [block, block_k]),
+                TensorDescriptor.from_tensor(right, [block_k, block_n]), s, o, out if norm is None else norm, batch,
+                m, rows, cols)  # fmt: skip
+
+    args = part(*first)
+    args2 = part(*second) if second is not None else (*args[:5], 0, *args[6:])  # no matrices: no tiles
+    x = first[1]
+    tiles = sum(p[5] * -(-p[7] // block) * -(-p[8] // block_n) for p in (args, args2))
     sms = _sm_count(x)
-    grid = (min(sms, batch * -(-rows // block) * -(-cols // block_n)),)
-    kernels.update_kernel[grid](TensorDescriptor.from_tensor(left, [block, block_k]),
-                                TensorDescriptor.from_tensor(right, [block_k, block_n]), s, o, batch, m, rows, cols, a,
-                                NUM_SMS=sms, **shapes)  # fmt: skip
-    return out
+    _kernels(x, "hopper").update_kernel[(min(sms, tiles),)](
+        *args, *args2, a, SCALED=first[3] is not None, NUM_SMS=sms, BLOCK=block, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
 
 
 def _sm_count(x: Tensor) -> int:
@@ -200,24 +285,23 @@ _graphs: OrderedDict[tuple, _GraphedIterations] = OrderedDict()  # least recentl
 
 
 class StaticGraph:
-    """A CUDA graph of ``run(x)`` on one static CUDA tensor x, read in place at every replay: the
-    caller writes x's values, then ``replay()``. ``run`` is compiled and warmed up on a side stream
-    before the capture. The result lives in the graph's memory pool and is overwritten by the next
-    replay, so it is consumed on the replaying stream before that."""
+    """A CUDA graph of ``run()`` on ``device``: ``run`` reads static CUDA tensors in place at every
+    replay, so the caller writes their values, then ``replay()``. ``run`` is compiled and warmed up
+    on a side stream before the capture. The result lives in the graph's memory pool and is
+    overwritten by the next replay, so it is consumed on the replaying stream before that."""
 
-    def __init__(self, x: Tensor, run: Callable[[Tensor], Tensor]) -> None:
-        self.input = x
-        with torch.cuda.device(x.device):  # the capture runs on the input's device
-            side = torch.cuda.Stream(x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))
+    def __init__(self, device: torch.device, run: Callable[[], object]) -> None:
+        with torch.cuda.device(device):  # the capture runs on the inputs' device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                run(x)
-            torch.cuda.current_stream(x.device).wait_stream(side)
+                run()
+            torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.output = run(x)
+                self.output = run()
 
-    def replay(self) -> Tensor:
+    def replay(self):
         self.graph.replay()
         return self.output
 
@@ -227,12 +311,12 @@ class _GraphedIterations:
     ``StaticGraph``: inputs are copied into its static buffer, results copied out of it."""
 
     def __init__(self, x: Tensor, schedule: list[tuple[float, float, float]], config: Mapping) -> None:
-        buffer = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        buffer.copy_(x)
-        self.graph = StaticGraph(buffer, lambda inp: triton_newton_schulz(inp, schedule, config))
+        self.input = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self.input.copy_(x)
+        self.graph = StaticGraph(x.device, lambda: triton_newton_schulz(self.input, schedule, config))
 
     def __call__(self, x: Tensor) -> Tensor:
-        self.graph.input.copy_(x)
+        self.input.copy_(x)
         return self.graph.replay().clone()
 
 

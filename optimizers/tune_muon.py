@@ -22,9 +22,9 @@ from .workloads import SHAPE_SETS
 # Normwise, one step: NS in bf16 on inputs that may differ by the Frobenius norm's summation
 # order (one bf16 rounding of a matrix's norm); bf16 params also round their update to 8 bits.
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
-# Bytes per parameter the kernels move: g (read), buf (read, write), X bf16 (write; normalize
-# reads and writes it), O bf16 (read), p (read, write).
-_BF16_BYTES = 2 + 4 + 2
+# Bytes per parameter the kernels move: g (read), buf (read, write), X bf16 (write), O bf16
+# (read), p (read, write); NS divides X by its norm on the fly (newton_schulz_triton.py).
+_BF16_BYTES = 2 + 2
 
 
 class MuonTuningTask(InPlaceTask):

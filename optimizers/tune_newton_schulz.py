@@ -63,12 +63,12 @@ class NewtonSchulzTuningTask:
     def _run(self, inputs, config) -> torch.Tensor:
         x, square = inputs
         if self.product == "update":
-            return update_product(square, x, update_output(x, config), self.a, config)
+            return update_product([square], [x], [update_output(x, config)], self.a, config)[0]
         out = torch.empty_like(square)
         if self.product == "gram":
-            symmetric_product(x, out, None, 1.0, 0.0, config)
+            symmetric_product([x], [out], None, 1.0, 0.0, config)
         else:
-            symmetric_product(square, out, square, self.c, self.b, config)
+            symmetric_product([square], [out], [square], self.c, self.b, config)
         return out
 
     def configure(self, config) -> None:

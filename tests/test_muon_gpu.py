@@ -53,9 +53,9 @@ def test_symmetric_products_are_exactly_symmetric(shape, config):
     x = torch.randn(shape, device="cuda").bfloat16()
     x = x.mT if x.shape[-2] > x.shape[-1] else x
     gram = torch.empty(x.shape[0], x.shape[1], x.shape[1], dtype=x.dtype, device="cuda")
-    symmetric_product(x, gram, None, 1.0, 0.0, config)
+    symmetric_product([x], [gram], None, 1.0, 0.0, config)
     poly = torch.empty_like(gram)
-    symmetric_product(gram, poly, gram, 2.0315, -4.775, config)
+    symmetric_product([gram], [poly], [gram], 2.0315, -4.775, config)
     for out in (gram, poly):
         assert torch.equal(out, out.mT)
     assert compare_tensors("ns", "A", gram, torch.bmm(x, x.mT), NS_TOL).passed
@@ -142,8 +142,9 @@ def test_muon_graphed_iterations_equal_direct_launches(monkeypatch):
             for p, g in zip(params, gs, strict=True):
                 p.grad = g.clone()
             opt.step()
-        batches = [b for plan in opt._plans.values() for b in plan.batches]
-        assert all(isinstance(b, TritonBatch) and (b._ns_graph is not None) == graphed for b in batches)
+        plans = list(opt._plans.values())
+        assert all(isinstance(b, TritonBatch) for plan in plans for b in plan.batches)
+        assert [(ns._graph is not None) == graphed for plan in plans for ns in plan.joint] == [True]
         results[graphed] = params
     for p, q in zip(results[True], results[False], strict=True):
         assert torch.equal(p, q)

@@ -12,6 +12,7 @@ from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterat
 from kernel_factory.optimizers.newton_schulz_triton import (
     PRODUCTS,
     hopper_fits,
+    joint_newton_schulz,
     per_product,
     triton_newton_schulz,
 )
@@ -63,6 +64,29 @@ def test_each_product_runs_its_own_config(shape, tall, configs):
     out = triton_newton_schulz(x, schedule, configs)
     assert out.shape == x.shape
     assert compare_tensors("ns", "X", out, iterate(x, schedule, TORCH), FP32_TOL).passed
+
+
+# Batches of other shapes share the hopper launches, two a launch (three batches: a second launch
+# with one); a tall one among them; the classic and torch configs run them one by one.
+JOINT = [((3, 64, 96), False), ((2, 32, 160), False), ((2, 96, 64), True)]
+
+
+@pytest.mark.parametrize("config", [SMALL, HOPPER, TORCH], ids=["classic", "hopper", "torch"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["normalized", "norms"])
+def test_joint_iterations_match_each_batch_alone(config, scaled):
+    # With norms, each x[b] stands for x[b] / norm[b]: the first products scale by it on the fly
+    # (the torch config divides first); a norm of inf gives 0 as torch's x / inf does.
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(shape, generator=gen) for shape, _ in JOINT]
+    xs = [x.mT if tall else x for x, (_, tall) in zip(xs, JOINT, strict=True)]
+    norms = [torch.linalg.vector_norm(x, dim=(-2, -1)) for x in xs]
+    norms[1][0] = float("inf")
+    inputs = [x / norm[:, None, None] for x, norm in zip(xs, norms, strict=True)]
+    schedule = coefficient_schedule(None, 3)
+    outs = joint_newton_schulz(xs, schedule, config, norms) if scaled else joint_newton_schulz(inputs, schedule, config)
+    for x, out in zip(inputs, outs, strict=True):
+        assert compare_tensors("ns", "X", out, iterate(x, schedule, TORCH), FP32_TOL).passed
+    assert torch.equal(outs[1][0], torch.zeros_like(outs[1][0]))
 
 
 def test_per_product_configs_name_every_product():
