@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
@@ -119,6 +120,28 @@ def _hopper_pairs(parts: list[tuple], contraction: Callable[[tuple], int]) -> li
     return [(parts[i], parts[i + 1] if i + 1 < len(parts) else None) for i in range(0, len(parts), 2)]
 
 
+_UNPAIRED: set[tuple] = set()  # (kernel, config) whose two-part build exceeded shared memory
+
+
+def _launch_pair(kernel: str, config: Mapping, first: tuple, second: tuple | None, launch: Callable) -> None:
+    """``launch(first, second)``, or where the two-part kernel of this config does not fit in
+    shared memory (its second tile loop may need buffers of its own), one launch per part."""
+    key = (kernel, tuple(sorted(config.items())))
+    if second is not None and key not in _UNPAIRED:
+        from triton.runtime.errors import OutOfResources
+
+        try:
+            launch(first, second)
+            return
+        except OutOfResources:
+            _UNPAIRED.add(key)
+            warnings.warn(f"kernel_factory: the two-batch {kernel} kernel does not fit in shared memory with "
+                          f"{dict(config)}; its batches launch one by one", RuntimeWarning, stacklevel=3)  # fmt: skip
+    launch(first, None)
+    if second is not None:
+        launch(second, None)
+
+
 def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | None, alpha: float, beta: float,
                       config: Mapping, norms: list[Tensor] | None = None) -> None:  # fmt: skip
     """out = alpha X Xᵀ (+ beta C) for each batch x (B, m, k), any strides (the Gram product, k = n)
@@ -140,7 +163,8 @@ def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | N
         else:
             _classic_symmetric(x, out, c, norm, alpha, beta, product == "poly", config)
     for first, second in _hopper_pairs(hopper, lambda part: part[0].shape[2]):
-        _hopper_symmetric(first, second, alpha, beta, product == "poly", config)
+        _launch_pair("sym", config, first, second,
+                     lambda one, two: _hopper_symmetric(one, two, alpha, beta, product == "poly", config))
 
 
 def _classic_symmetric(x, out, c, norm, alpha, beta, has_c: bool, config: Mapping) -> None:
@@ -166,14 +190,15 @@ def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, has_c: bo
         return (x_desc, out_desc, c_desc, out if norm is None else norm, *x.shape), tall
 
     args, tall = part(*first)
-    # An absent second part is the first one with no matrices: its loop runs no tiles.
-    args2, tall2 = part(*second) if second is not None else ((*args[:4], 0, *args[5:]), tall)
+    args2, tall2 = part(*second) if second is not None else (args, tall)  # not read without TWO_PARTS
     x = first[0]
-    tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a in (args, args2))
+    parts = (args, args2) if second is not None else (args,)
+    tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a in parts)
     sms = _sm_count(x)
     _kernels(x, "hopper").sym_kernel[(min(sms, tiles),)](
         *args, *args2, alpha, beta, HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2,
-        BLOCK=block, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], NUM_SMS=sms, **_launch(config))  # fmt: skip
+        TWO_PARTS=second is not None, BLOCK=block, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], NUM_SMS=sms,
+        **_launch(config))  # fmt: skip
 
 
 def update_output(x: Tensor, config: Mapping) -> Tensor:
@@ -201,7 +226,7 @@ def update_product(polys: list[Tensor], xs: list[Tensor], outs: list[Tensor], a:
         else:
             _classic_update(poly, x, out, norm, a, config)
     for first, second in _hopper_pairs(hopper, lambda part: part[1].shape[1]):
-        _hopper_update(first, second, a, config)
+        _launch_pair("update", config, first, second, lambda one, two: _hopper_update(one, two, a, config))
     return outs
 
 
@@ -236,13 +261,13 @@ def _hopper_update(first: tuple, second: tuple | None, a, config: Mapping) -> No
                 m, rows, cols)  # fmt: skip
 
     args = part(*first)
-    args2 = part(*second) if second is not None else (*args[:5], 0, *args[6:])  # no matrices: no tiles
+    parts = (args, part(*second)) if second is not None else (args,)
     x = first[1]
-    tiles = sum(p[5] * -(-p[7] // block) * -(-p[8] // block_n) for p in (args, args2))
+    tiles = sum(p[5] * -(-p[7] // block) * -(-p[8] // block_n) for p in parts)
     sms = _sm_count(x)
     _kernels(x, "hopper").update_kernel[(min(sms, tiles),)](
-        *args, *args2, a, SCALED=first[3] is not None, NUM_SMS=sms, BLOCK=block, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
+        *args, *parts[-1], a, SCALED=first[3] is not None, TWO_PARTS=second is not None, NUM_SMS=sms, BLOCK=block,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
 
 
 def _sm_count(x: Tensor) -> int:

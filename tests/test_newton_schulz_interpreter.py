@@ -138,3 +138,26 @@ def test_the_hopper_symmetric_walk_visits_each_upper_tile_once():
             assert sorted(got) == upper, (nt, group)
             # a group's strips come before the next group's
             assert [i // group for i, _ in got] == sorted(i // group for i, _ in got), (nt, group)
+
+
+def test_a_pair_that_does_not_fit_in_shared_memory_launches_its_batches_one_by_one():
+    # The two-part kernel may need more shared memory than either part alone: such a config
+    # warns once and from then on launches each part alone, without trying the pair again.
+    from triton.runtime.errors import OutOfResources
+
+    from kernel_factory.optimizers import newton_schulz_triton as nst
+
+    calls = []
+
+    def launch(one, two):
+        calls.append((one, two))
+        if two is not None:
+            raise OutOfResources(262144, 232448, "shared memory")
+
+    config = dict(HOPPER, num_stages=5)
+    with pytest.warns(RuntimeWarning, match="one by one"):
+        nst._launch_pair("update", config, "a", "b", launch)
+    nst._launch_pair("update", config, "c", "d", launch)
+    nst._launch_pair("update", config, "e", None, launch)
+    assert calls == [("a", "b"), ("a", None), ("b", None), ("c", None), ("d", None), ("e", None)]
+    nst._UNPAIRED.clear()
