@@ -41,6 +41,7 @@ from .newton_schulz_triton import StaticGraph, joint_newton_schulz, normalized
 # GPU waited between launches; with them it takes 0.4 to 0.9 ms. The graph's memory pool keeps
 # the iterations' workspace (2 Gram-sized and 2 X-sized bf16 buffers per batch) between steps.
 GRAPH_NS = True
+NORM_BLOCK = 1024  # partial sums the norm kernel adds per vector step
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -183,8 +184,6 @@ class TritonBatch(MuonBatch):
         self.prepare(h)
         self.apply(h, iterate(normalized(self.x, self.norm), h.schedule).contiguous())
 
-
-NORM_BLOCK = 1024  # partial sums the norm kernel adds per vector step
 
 
 class JointNS:

@@ -76,8 +76,8 @@ def joint_newton_schulz(xs: list[Tensor], schedule: list[tuple[float, float, flo
     kernel on a transposed x, the transposed view of a contiguous (B, n, m) one."""
     for x in xs:
         if x.dtype not in TRITON_DTYPES or x.dim() != 3 or x.shape[1] > x.shape[2]:
-            raise ValueError(f"triton_newton_schulz takes (B, m, n), m <= n, bf16 or fp32; got {tuple(x.shape)} "
-                             f"{x.dtype}")  # fmt: skip
+            raise ValueError(f"the Newton-Schulz kernels take (B, m, n), m <= n, bf16 or fp32; got "
+                             f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
     configs = per_product(config or ns_config(max(xs, key=_work)))
     if norms is not None and (not schedule or "torch" in (configs["gram"]["impl"], configs["update"]["impl"])):
         xs, norms = [normalized(x, n) for x, n in zip(xs, norms, strict=True)], None
