@@ -189,11 +189,10 @@ def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, has_c: bo
         out_desc, c_desc = (TensorDescriptor.from_tensor(t, [1, block, block]) for t in (out, c))  # clipped per matrix
         return (x_desc, out_desc, c_desc, out if norm is None else norm, *x.shape), tall
 
-    args, tall = part(*first)
-    args2, tall2 = part(*second) if second is not None else (args, tall)  # not read without TWO_PARTS
+    parts = [part(*p) for p in (first, second) if p is not None]
+    (args, tall), (args2, tall2) = parts[0], parts[-1]  # the second is not read without TWO_PARTS
     x = first[0]
-    parts = (args, args2) if second is not None else (args,)
-    tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a in parts)
+    tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a, _ in parts)
     sms = _sm_count(x)
     _kernels(x, "hopper").sym_kernel[(min(sms, tiles),)](
         *args, *args2, alpha, beta, HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2,
@@ -260,13 +259,12 @@ def _hopper_update(first: tuple, second: tuple | None, a, config: Mapping) -> No
                 TensorDescriptor.from_tensor(right, [block_k, block_n]), s, o, out if norm is None else norm, batch,
                 m, rows, cols)  # fmt: skip
 
-    args = part(*first)
-    parts = (args, part(*second)) if second is not None else (args,)
+    parts = [part(*p) for p in (first, second) if p is not None]  # parts[-1] is not read without TWO_PARTS
     x = first[1]
     tiles = sum(p[5] * -(-p[7] // block) * -(-p[8] // block_n) for p in parts)
     sms = _sm_count(x)
     _kernels(x, "hopper").update_kernel[(min(sms, tiles),)](
-        *args, *parts[-1], a, SCALED=first[3] is not None, TWO_PARTS=second is not None, NUM_SMS=sms, BLOCK=block,
+        *parts[0], *parts[-1], a, SCALED=first[3] is not None, TWO_PARTS=second is not None, NUM_SMS=sms, BLOCK=block,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
 
 
