@@ -26,7 +26,7 @@ import torch
 from benchmarks import bench_newton_schulz
 from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
 from benchmarks.reporting import nox_command
-from kernel_factory.generator.timing import copy_bandwidth_tbs, time_ms
+from kernel_factory.generator.timing import capture_graph, copy_bandwidth_tbs, time_ms
 from kernel_factory.optimizers import AdamW
 from kernel_factory.optimizers.workloads import SHAPE_SETS
 
@@ -54,15 +54,8 @@ def named_params(shapes, dtype) -> list[tuple[str, torch.Tensor]]:
 
 def time_graph(step) -> float | None:
     """p50 of replaying a CUDA graph of one ``step()``; None if the step cannot be captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)
     except Exception:  # noqa: BLE001 - not capturable: report eager only
         torch.cuda.synchronize()
         return None

@@ -47,7 +47,10 @@ class TuningTask(Protocol):
     """One workload to tune. ``configure`` selects a config (compiling on first use);
     ``run`` launches once; ``restore`` puts in-place tensors back (between timed runs);
     ``check`` runs on fresh random inputs and returns the normwise relative error against
-    the family's reference; ``tol`` is the largest acceptable error."""
+    the family's reference; ``tol`` is the largest acceptable error. A task may also set
+    ``graph_replayed = True``: time the replay of a CUDA graph of ``run`` (timing.restoring_timer),
+    and define ``allows(config)``: False prunes a config the family allows but the task's user
+    cannot run well."""
 
     family: KernelFamily
     variant: str  # the family's tuning key of the structural variant
@@ -137,7 +140,7 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
                     trial.set_user_attr(k, earlier.user_attrs[k])
                 return earlier.value
             raise optuna.TrialPruned(f"repeat of trial {earlier.number} ({earlier.state.name})")
-        if not family.is_legal(config):
+        if not family.is_legal(config) or not getattr(task, "allows", lambda _: True)(config):
             trial.set_user_attr("pruned", "illegal")
             raise optuna.TrialPruned("illegal config")
         try:

@@ -87,10 +87,11 @@ def joint_newton_schulz(xs: list[Tensor], schedule: list[tuple[float, float, flo
     for step, (a, b, c) in enumerate(schedule):
         scale = norms if step == 0 else None
         symmetric_product(xs, grams, None, 1.0, 0.0, configs["gram"], scale)
-        symmetric_product(grams, polys, grams, c, b, configs["poly"])
+        # Bm = c A A + b A + a I, so that the update is Bm X alone (the template says why).
+        symmetric_product(grams, polys, grams, c, b, configs["poly"], gamma=a)
         if len(outs) < 2:  # two buffers in turn, laid out as the update writes them
             outs.append([update_output(x, configs["update"]) for x in xs])
-        xs = update_product(polys, xs, outs[step % 2], a, configs["update"], scale)
+        xs = update_product(polys, xs, outs[step % 2], configs["update"], scale)
     return xs if schedule else [x.clone(memory_format=torch.contiguous_format) for x in xs]
 
 
@@ -143,10 +144,11 @@ def _launch_pair(kernel: str, config: Mapping, first: tuple, second: tuple | Non
 
 
 def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | None, alpha: float, beta: float,
-                      config: Mapping, norms: list[Tensor] | None = None) -> None:  # fmt: skip
-    """out = alpha X Xᵀ (+ beta C) for each batch x (B, m, k), any strides (the Gram product, k = n)
-    or the symmetric (B, m, m) gram (the poly product, with C := gram: c A Aᵀ + b A); out and C
-    contiguous (B, m, m). ``norms``: X[b] stands for X[b] / norm[b] (classic and hopper kernels)."""
+                      config: Mapping, norms: list[Tensor] | None = None, gamma: float = 0.0) -> None:  # fmt: skip
+    """out = alpha X Xᵀ for each batch x (B, m, k), any strides (the Gram product, k = n), or
+    out = alpha X Xᵀ + beta C + gamma I for the symmetric (B, m, m) gram (the poly product, with
+    C := gram: c A Aᵀ + b A + a I); out and C contiguous (B, m, m). ``norms``: X[b] stands for
+    X[b] / norm[b] (classic and hopper kernels)."""
     product = "gram" if cs is None else "poly"
     parts = list(zip(xs, outs, cs or outs, norms or [None] * len(xs), strict=True))  # C: not read without HAS_C
     hopper = []
@@ -160,23 +162,24 @@ def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | N
             torch.bmm(x, x.mT, out=out)
         elif impl == "torch":
             torch.baddbmm(c, x, x.mT, beta=beta, alpha=alpha, out=out)
+            out.diagonal(dim1=-2, dim2=-1).add_(gamma)
         else:
-            _classic_symmetric(x, out, c, norm, alpha, beta, product == "poly", config)
+            _classic_symmetric(x, out, c, norm, alpha, beta, gamma, product == "poly", config)
     for first, second in _hopper_pairs(hopper, lambda part: part[0].shape[2]):
         _launch_pair("sym", config, first, second,
-                     lambda one, two: _hopper_symmetric(one, two, alpha, beta, product == "poly", config))
+                     lambda one, two: _hopper_symmetric(one, two, alpha, beta, gamma, product == "poly", config))
 
 
-def _classic_symmetric(x, out, c, norm, alpha, beta, has_c: bool, config: Mapping) -> None:
+def _classic_symmetric(x, out, c, norm, alpha, beta, gamma, has_c: bool, config: Mapping) -> None:
     batch, m, k = x.shape
     block = config["BLOCK"]
     tiles = -(-m // block) * (-(-m // block) + 1) // 2
     _kernels(x, "classic").sym_kernel[(tiles, batch)](
-        x, c, out, out if norm is None else norm, m, k, *x.stride(), *c.stride(), *out.stride(), alpha, beta,
+        x, c, out, out if norm is None else norm, m, k, *x.stride(), *c.stride(), *out.stride(), alpha, beta, gamma,
         HAS_C=has_c, SCALED=norm is not None, BLOCK=block, BLOCK_K=config["BLOCK_K"], **_launch(config))  # fmt: skip
 
 
-def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, has_c: bool, config: Mapping) -> None:
+def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, gamma, has_c: bool, config: Mapping) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor  # host-built TMA descriptors
 
     block, block_k = config["BLOCK"], config["BLOCK_K"]
@@ -195,7 +198,7 @@ def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, has_c: bo
     tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a, _ in parts)
     sms = _sm_count(x)
     _kernels(x, "hopper").sym_kernel[(min(sms, tiles),)](
-        *args, *args2, alpha, beta, HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2,
+        *args, *args2, alpha, beta, gamma, HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2,
         TWO_PARTS=second is not None, BLOCK=block, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], NUM_SMS=sms,
         **_launch(config))  # fmt: skip
 
@@ -208,9 +211,9 @@ def update_output(x: Tensor, config: Mapping) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def update_product(polys: list[Tensor], xs: list[Tensor], outs: list[Tensor], a: float, config: Mapping,
+def update_product(polys: list[Tensor], xs: list[Tensor], outs: list[Tensor], config: Mapping,
                    norms: list[Tensor] | None = None) -> list[Tensor]:  # fmt: skip
-    """out = a X + Bm X for each batch: poly Bm (B, m, m) contiguous and symmetric, x (B, m, n) any
+    """out = Bm X for each batch: poly Bm (B, m, m) contiguous and symmetric, x (B, m, n) any
     strides, out from ``update_output``. ``norms``: X[b] stands for X[b] / norm[b] (Bm comes from
     the scaled Gram matrix; classic and hopper kernels). Returns outs."""
     hopper = []
@@ -221,31 +224,31 @@ def update_product(polys: list[Tensor], xs: list[Tensor], outs: list[Tensor], a:
         elif impl == "torch" and norm is not None:
             raise ValueError("update_product: torch's matmuls take a normalized x (no norm)")
         elif impl == "torch":
-            torch.baddbmm(x, poly, x, beta=a, out=out)
+            torch.bmm(poly, x, out=out)
         else:
-            _classic_update(poly, x, out, norm, a, config)
+            _classic_update(poly, x, out, norm, config)
     for first, second in _hopper_pairs(hopper, lambda part: part[1].shape[1]):
-        _launch_pair("update", config, first, second, lambda one, two: _hopper_update(one, two, a, config))
+        _launch_pair("update", config, first, second, lambda one, two: _hopper_update(one, two, config))
     return outs
 
 
-def _classic_update(poly, x, out, norm, a, config: Mapping) -> None:
+def _classic_update(poly, x, out, norm, config: Mapping) -> None:
     batch, m, n = x.shape
     block, block_n = config["BLOCK"], config["BLOCK_N"]
     grid = (-(-m // block) * -(-n // block_n), batch)
     _kernels(x, "classic").update_kernel[grid](
-        poly, x, out, out if norm is None else norm, m, n, *poly.stride(), *x.stride(), *out.stride(), a,
+        poly, x, out, out if norm is None else norm, m, n, *poly.stride(), *x.stride(), *out.stride(),
         SCALED=norm is not None, BLOCK=block, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
 
 
-def _hopper_update(first: tuple, second: tuple | None, a, config: Mapping) -> None:
+def _hopper_update(first: tuple, second: tuple | None, config: Mapping) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block, block_n, block_k = config["BLOCK"], config["BLOCK_N"], config["BLOCK_K"]
 
     def part(poly, x, out, norm):
-        # Wide: out = a X + Bm X. Tall, in X's storage S = Xᵀ (B, n, m): outᵀ = a S + S Bm (Bm symmetric).
+        # Wide: out = Bm X. Tall, in X's storage S = Xᵀ (B, n, m): outᵀ = S Bm (Bm symmetric).
         batch, m, _ = x.shape
         tall = _transposed(x)
         s, o = (x.mT, out.mT) if tall else (x.contiguous(), out)
@@ -256,15 +259,15 @@ def _hopper_update(first: tuple, second: tuple | None, a, config: Mapping) -> No
         flat, gram = s.reshape(batch * rows, cols), poly.view(batch * m, m)
         left, right = (flat, gram) if tall else (gram, flat)
         return (TensorDescriptor.from_tensor(left, [block, block_k]),
-                TensorDescriptor.from_tensor(right, [block_k, block_n]), s, o, out if norm is None else norm, batch,
-                m, rows, cols)  # fmt: skip
+                TensorDescriptor.from_tensor(right, [block_k, block_n]), o, out if norm is None else norm, batch, m,
+                rows, cols)  # fmt: skip
 
     parts = [part(*p) for p in (first, second) if p is not None]  # parts[-1] is not read without TWO_PARTS
     x = first[1]
-    tiles = sum(p[5] * -(-p[7] // block) * -(-p[8] // block_n) for p in parts)
+    tiles = sum(p[4] * -(-p[6] // block) * -(-p[7] // block_n) for p in parts)
     sms = _sm_count(x)
     _kernels(x, "hopper").update_kernel[(min(sms, tiles),)](
-        *parts[0], *parts[-1], a, SCALED=first[3] is not None, TWO_PARTS=second is not None, NUM_SMS=sms, BLOCK=block,
+        *parts[0], *parts[-1], SCALED=first[3] is not None, TWO_PARTS=second is not None, NUM_SMS=sms, BLOCK=block,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
 
 

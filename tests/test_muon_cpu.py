@@ -183,6 +183,9 @@ def test_newton_schulz_tune_sizes_are_the_buckets_of_its_workloads():
     # ns_config keys the cache by one iteration's FLOPs: each workload needs a bucket of its own
     # (by elements, 36 x 768 x 2048 and 8192^2 shared one).
     from kernel_factory.generator import NEWTON_SCHULZ
-    from kernel_factory.optimizers.tune_newton_schulz import SHAPES, WORKLOADS
+    from kernel_factory.optimizers.newton_schulz_triton import iteration_flops
+    from kernel_factory.optimizers.tune_newton_schulz import WORKLOADS
 
-    assert sorted(WORKLOADS) == sorted(NEWTON_SCHULZ.tune_sizes) and len(WORKLOADS) == len(SHAPES)
+    assert sorted(WORKLOADS) == sorted(NEWTON_SCHULZ.tune_sizes) and len(WORKLOADS) == 5
+    for shapes in WORKLOADS.values():  # a joint workload is keyed by its batch with the most work
+        assert shapes[0] == max(shapes, key=lambda shape: iteration_flops(*shape))

@@ -85,6 +85,15 @@ def test_tuner_beats_the_default_and_writes_a_cache_entry(tmp_path):
     assert all(math.isfinite(t.value) for t in study.trials if t.value is not None)
 
 
+def test_configs_a_task_does_not_allow_are_pruned_not_run(tmp_path):
+    # The winner (BLOCK 256) is not allowed: no config with it is compiled, and another wins.
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    task.allows = lambda config: config["BLOCK"] != 256
+    (result,) = _tune(task, tmp_path, trials=25)
+    assert task.configured and all(c["BLOCK"] != 256 for c in task.configured)
+    assert result.best["BLOCK"] != 256
+
+
 def test_failures_are_typed_and_never_retried(tmp_path):
     task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"), fail=lambda c: c["num_warps"] == 1)
     (result,) = _tune(task, tmp_path, trials=30)
