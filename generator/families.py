@@ -97,11 +97,11 @@ def _newton_schulz_is_legal(c: Mapping[str, int | str]) -> bool:
 NEWTON_SCHULZ = KernelFamily(
     name="newton_schulz",
     template="newton_schulz.py.j2",
-    description="Newton-Schulz iteration: symmetric X Xᵀ and A Aᵀ (upper tiles only), a X + B X",
+    description="Newton-Schulz iteration: symmetric X Xᵀ and A Aᵀ + a I (upper tiles only), B X",
     axes={
         "dtype": ("bfloat16", "float32"),  # float32: exact-arithmetic variant for the interpreter
         "variant": ("classic", "hopper"),  # rendered for the config's impl (newton_schulz_triton.py)
-        # The product of an iteration a config is tuned for: X Xᵀ, c A Aᵀ + b A, a X + B X. The
+        # The product of an iteration a config is tuned for: X Xᵀ, c A Aᵀ + b A + a I, B X. The
         # template renders all three kernels whatever its value; it only keys the cache.
         "product": ("gram", "poly", "update"),
     },

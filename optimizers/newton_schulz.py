@@ -7,7 +7,8 @@ tall matrix (a view), divide by the Frobenius norm clamped at ``eps``, then ``st
 
 with (a, b, c) = (3.4445, -4.7750, 2.0315) (Keller Jordan's quintic). ``fast_newton_schulz`` runs
 the same arithmetic on a batch of same-shape matrices in one chain of batched matmuls, and takes
-other coefficient schedules (one triple per step, e.g. Polar Express).
+other coefficient schedules (one triple per step, e.g. Polar Express). Its CUDA kernels compute
+X = (B + a·I)·X, a·I added before B is rounded to bf16 (kernel_templates/newton_schulz.py.j2).
 """
 
 from __future__ import annotations

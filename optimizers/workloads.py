@@ -46,15 +46,18 @@ SHAPE_SETS["llama_tiny_hidden"] = hidden_matrices(SHAPE_SETS["llama_tiny"])
 SHAPE_SETS["llama134m_hidden"] = hidden_matrices(SHAPE_SETS["llama134m"])
 
 
+INIT_STD = 0.02  # ShapeModel's parameters: N(0, INIT_STD)
+
+
 class ShapeModel(torch.nn.Module):
-    """A module holding one parameter per (name, shape), initialised N(0, 0.02)."""
+    """A module holding one parameter per (name, shape), initialised N(0, INIT_STD)."""
 
     def __init__(self, shapes, dtype=torch.float32, device="cpu", seed: int = 0) -> None:
         super().__init__()
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.names = [name for name, _ in shapes]
         self.params = torch.nn.ParameterList(
-            torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=dtype))
+            torch.nn.Parameter((torch.randn(shape, generator=gen) * INIT_STD).to(device=device, dtype=dtype))
             for _, shape in shapes
         )
 
