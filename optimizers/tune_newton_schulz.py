@@ -24,9 +24,8 @@ from .newton_schulz_triton import PRODUCTS, iteration_flops, symmetric_product, 
 # The batches (batch, m, n), m <= n, of each tune size of the family: size_bucket(iteration_flops)
 # of the first, the one with the most work, which is the batch whose config a joint launch takes
 # (joint_newton_schulz). The 36 x 768 x 2048 key is run as Muon's step runs it, with the 48 x 768^2
-# batch in the same launches: on the H200 cuBLAS ran the 36 x 768 x 2048 update alone in 139 µs
-# against the hopper kernel's 148, but the Muon step with cuBLAS updates took 3.37 to 3.67 ms
-# against 2.83 to 3.01 with the hopper kernel taking both batches in one launch.
+# batch in the same launches: alone, cuBLAS ran that batch's update in 139 µs against the hopper
+# kernel's 148 on the H200, which says nothing of the joint launch the key is used for (allows).
 WORKLOADS = {
     size_bucket(iteration_flops(*shapes[0])): shapes
     for shapes in (((1, 1024, 1024),), ((1, 4096, 4096),), ((48, 768, 768),), ((36, 768, 2048), (48, 768, 768)),
