@@ -54,7 +54,7 @@ def tests_gpu(session: nox.Session) -> None:
 @nox.session(venv_params=VENV)
 def parity(session: nox.Session) -> None:
     """Parity matrix (optimizer x dtype x shape set); non-zero exit on any failure."""
-    _run_module(session, "kernel_factory.optimizers.parity_matrix")
+    _run_module(session, "kernel_factory.optimizers.parity.matrix")
 
 
 @nox.session(venv_params=VENV)

@@ -28,7 +28,7 @@ from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
 from benchmarks.reporting import nox_command
 from kernel_factory.generator.timing import capture_graph, copy_bandwidth_tbs, time_ms
 from kernel_factory.optimizers import AdamW
-from kernel_factory.optimizers.workloads import SHAPE_SETS
+from kernel_factory.optimizers.shared.workloads import SHAPE_SETS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULTS = Path(__file__).resolve().parent / "results"

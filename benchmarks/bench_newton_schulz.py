@@ -19,8 +19,8 @@ import torch
 
 from kernel_factory.generator.timing import matmul_tflops, time_ms
 from kernel_factory.optimizers import Muon, fast_newton_schulz
-from kernel_factory.optimizers.newton_schulz import reference_newton_schulz
-from kernel_factory.optimizers.workloads import SHAPE_SETS
+from kernel_factory.optimizers.muon.newton_schulz import reference_newton_schulz
+from kernel_factory.optimizers.shared.workloads import SHAPE_SETS
 
 
 def ns_rows(sizes: list[int], tflops: float) -> list[str]:

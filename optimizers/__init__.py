@@ -1,10 +1,12 @@
-"""kernel_factory.optimizers: torch.optim-compatible optimizers backed by generated kernels."""
+"""kernel_factory.optimizers: torch.optim-compatible optimizers backed by generated kernels.
 
-from .adam import Adam, AdamW, ReferenceAdam, ReferenceAdamW
-from .adam_mini import AdamMini, ReferenceAdamMini
-from .adam_mini_partition import ModelShape, NameRules, format_table
-from .muon import Muon
-from .newton_schulz import fast_newton_schulz
+One sub-package per family (``adamw``, ``adam_mini``, ``muon``), ``shared`` for what families
+share, ``parity`` for the parity tools and ``tune`` for the tuning command line.
+"""
+
+from .adam_mini import AdamMini, ModelShape, NameRules, ReferenceAdamMini, format_table
+from .adamw import Adam, AdamW, ReferenceAdam, ReferenceAdamW
+from .muon import Muon, fast_newton_schulz
 
 __all__ = ["Adam", "AdamMini", "AdamW", "ModelShape", "Muon", "NameRules", "ReferenceAdam", "ReferenceAdamMini",
            "ReferenceAdamW", "fast_newton_schulz", "format_table"]

@@ -7,7 +7,7 @@ import io
 
 import torch
 
-from kernel_factory.optimizers.workloads import ShapeModel, llama_param_shapes
+from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes
 
 GEOMETRY = dict(dim=32, n_heads=4, n_kv_heads=2)  # GQA: K and V have 2 heads of 8 rows
 

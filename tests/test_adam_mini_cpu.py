@@ -10,7 +10,7 @@ import torch
 from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model, steps_stay_equal
 
 from kernel_factory.optimizers import AdamMini, NameRules
-from kernel_factory.optimizers.fp8_momentum import REL_ERROR_BOUND, dequantize, new_fp8_state, quantize_
+from kernel_factory.optimizers.adam_mini.fp8 import REL_ERROR_BOUND, dequantize, new_fp8_state, quantize_
 from kernel_factory.optimizers.parity import compare_tensors
 
 # Normwise relative bound of the issue; fp32 rounding differences (summation order of the

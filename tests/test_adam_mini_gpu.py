@@ -10,11 +10,11 @@ import torch
 from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model, steps_stay_equal
 
 from kernel_factory.optimizers import AdamMini, ReferenceAdamMini
-from kernel_factory.optimizers.adam_mini_plan import AdamMiniTritonPlan
-from kernel_factory.optimizers.adam_mini_reference import adam_mini_reference_step
-from kernel_factory.optimizers.fp8_momentum import dequantize
+from kernel_factory.optimizers.adam_mini.fp8 import dequantize
+from kernel_factory.optimizers.adam_mini.plan import AdamMiniTritonPlan
+from kernel_factory.optimizers.adam_mini.reference import adam_mini_reference_step
 from kernel_factory.optimizers.parity import compare_tensors
-from kernel_factory.optimizers.workloads import SHAPE_SETS, ShapeModel
+from kernel_factory.optimizers.shared.workloads import SHAPE_SETS, ShapeModel
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,9 +10,9 @@ from mini_models import GEOMETRY, fresh_grads, gqa_model
 
 from kernel_factory.generator import interpreter_enabled
 from kernel_factory.optimizers import AdamMini, ReferenceAdamMini
-from kernel_factory.optimizers.adam_mini_plan import AdamMiniTritonPlan
+from kernel_factory.optimizers.adam_mini.plan import AdamMiniTritonPlan
 from kernel_factory.optimizers.parity import compare_tensors
-from kernel_factory.optimizers.workloads import ShapeModel, llama_param_shapes
+from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 FP32_TOL = 1e-6  # fp32 rounding only: summation order of the block means, fused multiply-adds

@@ -10,8 +10,8 @@ import torch
 from twin_training import check_scaler_parity
 
 from kernel_factory.optimizers import Adam, AdamW
-from kernel_factory.optimizers.checks import check_param_grad
-from kernel_factory.optimizers.workloads import SHAPE_SETS, ShapeModel
+from kernel_factory.optimizers.shared.checks import check_param_grad
+from kernel_factory.optimizers.shared.workloads import SHAPE_SETS, ShapeModel
 
 
 @pytest.fixture(autouse=True)

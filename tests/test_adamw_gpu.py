@@ -10,9 +10,9 @@ import torch
 from twin_training import check_scaler_parity, twin_steps
 
 from kernel_factory.optimizers import Adam, AdamW
-from kernel_factory.optimizers.adam_plan import TritonMultiTensor, TritonSingleTensor
+from kernel_factory.optimizers.adamw.plan import TritonMultiTensor, TritonSingleTensor
 from kernel_factory.optimizers.parity import compare_tensors, parity_check
-from kernel_factory.optimizers.workloads import SHAPE_SETS, ShapeModel
+from kernel_factory.optimizers.shared.workloads import SHAPE_SETS, ShapeModel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -206,11 +206,11 @@ def _compiled_count(kernel) -> int:
 
 
 def test_without_triton_cuda_tensors_take_the_reference_path_with_one_warning(monkeypatch):
-    from kernel_factory.optimizers import adam_plan
-    from kernel_factory.optimizers.adam_plan import Reference
+    from kernel_factory.optimizers.adamw.plan import Reference
+    from kernel_factory.optimizers.shared import buckets
 
-    monkeypatch.setattr(adam_plan, "triton_available", lambda: False)
-    monkeypatch.setattr(adam_plan, "_warned", set())
+    monkeypatch.setattr(buckets, "triton_available", lambda: False)
+    monkeypatch.setattr(buckets, "_warned", set())
     p = torch.randn(1000, device="cuda", requires_grad=True)
     q = p.detach().clone().requires_grad_(True)
     ours, ref = AdamW([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2, foreach=True)

@@ -10,9 +10,9 @@ from twin_training import check_scaler_parity, twin_steps
 
 from kernel_factory.generator import interpreter_enabled
 from kernel_factory.optimizers import Adam, AdamW, ReferenceAdamW
-from kernel_factory.optimizers.adam_plan import TritonSingleTensor
+from kernel_factory.optimizers.adamw.plan import TritonSingleTensor
 from kernel_factory.optimizers.parity import compare_tensors, parity_check
-from kernel_factory.optimizers.workloads import SHAPE_SETS, ShapeModel
+from kernel_factory.optimizers.shared.workloads import SHAPE_SETS, ShapeModel
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 

@@ -9,7 +9,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from kernel_factory.optimizers import Muon, fast_newton_schulz
-from kernel_factory.optimizers.newton_schulz import NS5_COEFFICIENTS, coefficient_schedule, reference_newton_schulz
+from kernel_factory.optimizers.muon.newton_schulz import NS5_COEFFICIENTS, coefficient_schedule, reference_newton_schulz
 from kernel_factory.optimizers.parity import compare_tensors
 
 # NS runs in bf16: results agree to bf16's 8 bits (2^-8 ~ 4e-3 per element); 2e-2 normwise.
@@ -169,7 +169,7 @@ def test_bad_arguments_name_the_parameter():
 
 
 def test_same_shape_matrices_and_transposes_are_orthogonalized_in_one_call(monkeypatch):
-    import kernel_factory.optimizers.muon_plan as muon_plan
+    import kernel_factory.optimizers.muon.plan as muon_plan
 
     calls = []
     real = muon_plan.iterate
@@ -183,8 +183,8 @@ def test_newton_schulz_tune_sizes_are_the_buckets_of_its_workloads():
     # ns_config keys the cache by one iteration's FLOPs: each workload needs a bucket of its own
     # (by elements, 36 x 768 x 2048 and 8192^2 shared one).
     from kernel_factory.generator import NEWTON_SCHULZ
-    from kernel_factory.optimizers.newton_schulz_triton import iteration_flops
-    from kernel_factory.optimizers.tune_newton_schulz import WORKLOADS
+    from kernel_factory.optimizers.muon.newton_schulz_launch import iteration_flops
+    from kernel_factory.optimizers.muon.newton_schulz_tune import WORKLOADS
 
     assert sorted(WORKLOADS) == sorted(NEWTON_SCHULZ.tune_sizes) and len(WORKLOADS) == 5
     for shapes in WORKLOADS.values():  # a joint workload is keyed by its batch with the most work

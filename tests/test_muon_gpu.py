@@ -7,9 +7,9 @@ import torch
 
 from kernel_factory.generator import NEWTON_SCHULZ
 from kernel_factory.optimizers import Muon, fast_newton_schulz
-from kernel_factory.optimizers.muon_plan import TritonBatch
-from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate, reference_newton_schulz
-from kernel_factory.optimizers.newton_schulz_triton import symmetric_product
+from kernel_factory.optimizers.muon.newton_schulz import coefficient_schedule, iterate, reference_newton_schulz
+from kernel_factory.optimizers.muon.newton_schulz_launch import symmetric_product
+from kernel_factory.optimizers.muon.plan import TritonBatch
 from kernel_factory.optimizers.parity import compare_tensors
 
 pytestmark = [
@@ -145,7 +145,7 @@ def test_muon_on_cuda_matches_torch_muon_over_10_steps(dtype, nesterov, monkeypa
 def test_small_batches_replay_a_cuda_graph_with_the_same_result(config):
     if config["impl"] == "hopper" and not HOPPER_GPU:
         pytest.skip("the hopper kernels need TMA (sm90 and up)")
-    from kernel_factory.optimizers.newton_schulz_triton import graphed_newton_schulz, triton_newton_schulz
+    from kernel_factory.optimizers.muon.newton_schulz_launch import graphed_newton_schulz, triton_newton_schulz
 
     schedule = coefficient_schedule(None, 5)
     for _ in range(2):  # the second call replays the graph on new values
@@ -162,7 +162,7 @@ def test_muon_graphed_iterations_equal_direct_launches(monkeypatch):
     # The batch's CUDA graph reads its static NS input in place and replays the kernels the direct
     # path launches: the same bits every step, also after a plan rebuild (new input buffer) and
     # with a new coefficient schedule (a new capture).
-    import kernel_factory.optimizers.muon_plan as muon_plan
+    import kernel_factory.optimizers.muon.plan as muon_plan
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(768, 768)] * 3 + [(1024, 384)] * 2 + [(384, 1024)]

@@ -10,8 +10,8 @@ import torch
 
 from kernel_factory.generator import interpreter_enabled
 from kernel_factory.optimizers import Muon
-from kernel_factory.optimizers.muon_plan import TritonBatch
-from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate
+from kernel_factory.optimizers.muon.newton_schulz import coefficient_schedule, iterate
+from kernel_factory.optimizers.muon.plan import TritonBatch
 from kernel_factory.optimizers.parity import compare_tensors
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")

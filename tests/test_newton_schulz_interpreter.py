@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 
 from kernel_factory.generator import NEWTON_SCHULZ, interpreter_enabled, load
-from kernel_factory.optimizers.newton_schulz import coefficient_schedule, iterate
-from kernel_factory.optimizers.newton_schulz_triton import (
+from kernel_factory.optimizers.muon.newton_schulz import coefficient_schedule, iterate
+from kernel_factory.optimizers.muon.newton_schulz_launch import (
     PRODUCTS,
     hopper_fits,
     joint_newton_schulz,
@@ -145,7 +145,7 @@ def test_a_pair_that_does_not_fit_in_shared_memory_launches_its_batches_one_by_o
     # warns once and from then on launches each part alone, without trying the pair again.
     from triton.runtime.errors import OutOfResources
 
-    from kernel_factory.optimizers import newton_schulz_triton as nst
+    from kernel_factory.optimizers.muon import newton_schulz_launch as nst
 
     calls = []
 

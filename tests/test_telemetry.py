@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernel_factory.optimizers.telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
+from kernel_factory.optimizers.shared.telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
 
 
 def test_counters_combine_by_kind_and_are_read_only_on_request():

@@ -12,7 +12,7 @@ import torch
 
 from kernel_factory.generator import ADAMW, interpreter_enabled
 from kernel_factory.generator.tuner import classify, tune
-from kernel_factory.optimizers.tune import AdamWTuningTask
+from kernel_factory.optimizers.adamw.tune import AdamWTuningTask
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 SHAPES = [(300,), (7,)]

@@ -29,21 +29,26 @@ def check_lr(lr: float | Tensor) -> None:
 
 
 def check_adam_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    """The checks torch.optim.Adam makes, with the same ValueError messages."""
+    """The checks torch.optim.Adam makes, in its order and with its ValueError messages. Unlike
+    torch's foreach path, a Tensor lr or Tensor betas are taken with ``foreach=True`` too (the
+    kernels read lr on the device; tensor betas must be 1-element CPU tensors, read on the host)."""
     check_lr(lr)
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair of floats, got {betas!r}")
     for i, beta in enumerate(betas):
-        if isinstance(beta, Tensor):
-            if beta.numel() != 1 or beta.device.type != "cpu":
-                raise ValueError(f"Tensor beta at index {i} must be a 1-element CPU tensor")
-            beta = float(beta)
+        if isinstance(beta, Tensor) and beta.numel() != 1:  # torch fails here on bool(tensor)
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, Tensor) and beta.device.type != "cpu":
+            raise ValueError(f"Tensor betas[{i}] must be a CPU tensor (it is read on the host), got {beta.device}")
 
 
 def check_implementation_flags(*, foreach, fused, capturable, differentiable) -> None:

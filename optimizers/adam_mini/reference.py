@@ -21,8 +21,8 @@ import math
 import torch
 from torch import Tensor
 
-from .adam_mini_partition import ParamPartition
-from .fp8_momentum import dequantize, quantize_
+from .fp8 import dequantize, quantize_
+from .partition import ParamPartition
 
 
 def block_mean_sq(g: Tensor, part: ParamPartition) -> Tensor:

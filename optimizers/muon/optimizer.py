@@ -19,14 +19,16 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from .adam_plan import AdamGroupPlan, group_plan
-from .checks import check_adam_hyperparameters, check_lr, evaluate_closure
-from .muon_plan import MuonGroupPlan, muon_group_plan
+from ..shared.checks import check_adam_hyperparameters, check_lr, evaluate_closure
+from ..shared.steppers import GroupPlan, group_stepper
+from ..shared.telemetry import AMAX_UPDATE, Telemetry
 from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule
+from .plan import muon_group_plan
 
 ADAMW_NAMES = ("embed", "embd", "wte", "wpe", "lm_head")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-# Keys the AdamW plan reads from a group (adam_plan.AdamGroupPlan), fixed for Muon's AdamW groups.
+# Keys the AdamW stepper reads from a group (adamw/plan.py, looked up by name in the stepper table),
+# fixed for Muon's AdamW groups.
 _ADAMW_FIXED = dict(amsgrad=False, maximize=False, decoupled_weight_decay=True, state_dtype=None)
 
 
@@ -48,9 +50,15 @@ class Muon(torch.optim.Optimizer):
     ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``; ``adamw_names`` (name substrings sent to
     AdamW). A group dict may set ``use_muon`` (True/False) to override the split.
 
-    Parameters: fp32/bf16/fp16 of any ndim (Muon's: >= 2, viewed as (shape[0], rest)). Each group
-    given becomes up to two groups, Muon's and AdamW's (``param_groups[i]["use_muon"]``), so LR
-    schedulers and state_dict see both.
+    Parameters: fp32/bf16/fp16 of any ndim (Muon's: >= 2, viewed as (shape[0], rest); complex ones
+    raise torch.optim.Muon's RuntimeError). Each group given becomes up to two groups, Muon's and
+    AdamW's (``param_groups[i]["use_muon"]``), so LR schedulers and state_dict see both.
+
+    ``telemetry.summary()``: ``steps`` (counted on the device, CUDA graph replays included), the
+    last step's ``amax_update`` (max |adjusted lr · O| over Muon's matrices and max
+    |lr m̂ / (√v̂ + ε)| over AdamW's, weight decay left out), and step times with
+    ``telemetry.time_steps = True``. Like torch.optim.Muon it takes no ``found_inf``: GradScaler
+    checks for infs and skips ``step()`` itself, so ``steps`` counts the steps that ran.
     """
 
     def __init__(
@@ -89,27 +97,41 @@ class Muon(torch.optim.Optimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True)  # fmt: skip
         super().__init__(self._split_groups(params), defaults)
-        self._plans: dict[int, AdamGroupPlan | MuonGroupPlan] = {}  # by group index
+        self._plans: dict[int, GroupPlan] = {}  # by group index
+        self.telemetry = Telemetry(AMAX_UPDATE)
 
     def _split_groups(self, params) -> list[dict]:
+        """Each group given as up to two groups, Muon's and AdamW's, with torch.optim's errors for
+        a bare tensor, an empty list, a set and names on some params only; (name, tensor) pairs
+        keep their names (torch records them as the groups' ``param_names``)."""
+        if isinstance(params, Tensor):
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                            "but got " + torch.typename(params))  # fmt: skip
         items = list(params)
         if not items:
             raise ValueError("optimizer got an empty parameter list")
         groups = items if isinstance(items[0], dict) else [{"params": items}]
         out = []
         for group in groups:
-            entries = list(group["params"]) if not isinstance(group["params"], Tensor) else [group["params"]]
-            named = [e if isinstance(e, tuple) else (None, e) for e in entries]
+            if isinstance(group["params"], set):
+                raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                                "ordering of tensors in sets will change between runs. Please use a list instead.")
+            entries = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+            named = [isinstance(e, tuple) for e in entries]
+            if any(named) and not all(named):
+                raise ValueError("all optimizer params should be with/without names. Some param names are missing")
             forced = group.get("use_muon")
             split = {True: [], False: []}
-            for name, p in named:
+            for entry in entries:
+                name, p = entry if isinstance(entry, tuple) else (None, entry)
                 if not isinstance(p, Tensor):
-                    raise TypeError(f"params must be Tensors or (name, Tensor) pairs, got {type(p).__name__}")
+                    raise TypeError("optimizer can only optimize Tensors, but one of the params is "
+                                    + torch.typename(p))  # fmt: skip
                 muon = uses_muon(name, p, self.adamw_names) if forced is None else bool(forced)
                 if muon and p.dim() < 2:
                     raise ValueError(f"use_muon=True needs parameters with ndim >= 2, got shape {tuple(p.shape)}"
                                      + (f" ({name})" if name else ""))  # fmt: skip
-                split[muon].append(p)
+                split[muon].append(entry)
             rest = {k: v for k, v in group.items() if k not in ("params", "use_muon")}
             if split[True]:
                 out.append({**rest, "params": split[True], "use_muon": True})
@@ -121,6 +143,7 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._plans = {}
+        self.telemetry = Telemetry(AMAX_UPDATE)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader; AdamW launch plans are rebuilt on the next step."""
@@ -131,17 +154,18 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):
         """One Muon/AdamW update of every parameter with a grad. Returns ``closure()``'s loss."""
         loss = evaluate_closure(closure)
-        for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if group["use_muon"]:
-                self._muon_step(index, group, params)
-                continue
-            group_plan(self._plans, index, params, self.state, group).run(group, None, None)
+        with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
+            for index, group in enumerate(self.param_groups):
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                if group["use_muon"]:
+                    # One batch per NS shape (plan.py): same-shape matrices, tall ones transposed (NS of
+                    # Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way).
+                    plan = muon_group_plan(self._plans, index, params, self.state)
+                    plan.run(group)
+                else:
+                    plan = group_stepper("adamw")(self._plans, index, params, self.state, group)
+                    plan.run(group, None, None)
+                telemetry.watch("amax_update", plan.update_amax)
         return loss
-
-    def _muon_step(self, index: int, group: dict, params: list[Tensor]) -> None:
-        # One batch per NS shape (muon_plan.py): same-shape matrices, tall ones transposed (NS of
-        # Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way), one NS call each.
-        muon_group_plan(self._plans, index, params, self.state).run(group)

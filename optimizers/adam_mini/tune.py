@@ -13,12 +13,12 @@ import torch
 
 from kernel_factory.generator import ADAM_MINI
 
-from .adam_mini import AdamMini
-from .adam_mini_reference import adam_mini_reference_step
-from .fp8_momentum import dequantize
-from .inplace_task import InPlaceTask
-from .parity import compare_tensors
-from .workloads import SHAPE_SETS
+from ..parity import compare_tensors
+from ..shared.tuning import InPlaceTask
+from ..shared.workloads import SHAPE_SETS
+from .fp8 import dequantize
+from .optimizer import AdamMini
+from .reference import adam_mini_reference_step
 
 # Normwise relative error of one step against the reference: fp32 rounding, and for bf16
 # parameters one flipped 8-bit rounding per element at most (see tests/test_adam_mini_gpu.py).

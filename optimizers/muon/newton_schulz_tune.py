@@ -19,7 +19,7 @@ from kernel_factory.generator import NEWTON_SCHULZ, size_bucket
 from kernel_factory.generator.timing import matmul_tflops
 
 from .newton_schulz import NS5_COEFFICIENTS
-from .newton_schulz_triton import PRODUCTS, iteration_flops, symmetric_product, update_output, update_product
+from .newton_schulz_launch import PRODUCTS, iteration_flops, symmetric_product, update_output, update_product
 
 # The batches (batch, m, n), m <= n, of each tune size of the family: size_bucket(iteration_flops)
 # of the first, the one with the most work, which is the batch whose config a joint launch takes

@@ -19,21 +19,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kernel_factory.generator import (
-    MUON,
-    backend_mode,
-    detect_arch,
-    interpreter_enabled,
-    load,
-    select,
-    triton_available,
-)
+from kernel_factory.generator import MUON, backend_mode, detect_arch, load, select
 
-from .adam_plan import TRITON_DTYPES, _warn_once
-from .checks import checked_grads
-from .grad_table import GradTable
+from ..shared.buckets import TRITON_DTYPES, aligned, kernel_path, pointer_table
+from ..shared.checks import checked_grads
+from ..shared.grad_table import GradTable
 from .newton_schulz import coefficient_schedule, iterate
-from .newton_schulz_triton import StaticGraph, joint_newton_schulz, normalized
+from .newton_schulz_launch import StaticGraph, joint_newton_schulz, normalized
 
 # Replay a CUDA graph of a device's NS iterations (captured on the batches' static inputs at the
 # first step) instead of issuing their launches from the host. On the H200, without the graphs
@@ -74,6 +66,8 @@ class MuonBatch:
         self.params, self.bufs, self.m, self.n = params, bufs, m, n
         self.device, self.dtype = params[0].device, params[0].dtype
         self.transposed = [p.shape[0] != m for p in params]  # tall: stored (n, m)
+        self._tall = torch.tensor(self.transposed).to(self.device)  # (B,) bool, for update_amax
+        self._amax: Callable[[], Tensor] | None = None
 
     def grads(self) -> list[Tensor]:
         return checked_grads(self.params)
@@ -81,6 +75,22 @@ class MuonBatch:
     def lrs(self, h: MuonHyper) -> tuple[float, float]:
         """The adjusted lr of a wide (m, n) and of a tall (n, m) matrix of this batch."""
         return adjusted_lr(h.lr, h.adjust_lr_fn, self.m, self.n), adjusted_lr(h.lr, h.adjust_lr_fn, self.n, self.m)
+
+    def keep_update(self, h: MuonHyper, ortho: Tensor, static: bool) -> None:
+        """Keep what ``update_amax`` needs of this step's O (B, m, n): O itself where it is a CUDA
+        graph's static output (read when asked, no cost in the step), else its max |O| per matrix."""
+        lr_wide, lr_tall = self.lrs(h)
+        per_matrix = None if static else ortho.abs().amax(dim=(-2, -1))
+
+        def amax() -> Tensor:
+            o = ortho.abs().amax(dim=(-2, -1)) if per_matrix is None else per_matrix
+            return (o.float() * torch.where(self._tall, lr_tall, lr_wide)).max()
+
+        self._amax = amax
+
+    def update_amax(self) -> Tensor:
+        """The last step's largest |adjusted lr · O| over the batch (0-d fp32; weight decay left out)."""
+        return self._amax() if self._amax is not None else torch.zeros((), device=self.device)
 
     def run(self, h: MuonHyper) -> None:
         raise NotImplementedError
@@ -100,6 +110,7 @@ class TorchBatch(MuonBatch):
         torch._foreach_copy_(list(x.unbind(0)), wide)
         norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
         ortho = iterate(x / norm.clamp(min=h.eps), h.schedule).to(self.dtype)  # p.add_ computes in p's dtype
+        self.keep_update(h, ortho, static=False)
         torch._foreach_mul_(self.params, 1 - h.lr * h.weight_decay)
         lr_wide, lr_tall = self.lrs(h)
         for tall, step_lr in ((False, lr_wide), (True, lr_tall)):
@@ -126,8 +137,7 @@ class TritonBatch(MuonBatch):
         self.norm = torch.empty(len(params), dtype=torch.float32, device=self.device)
         self.flags = torch.tensor(self.transposed, dtype=torch.int32).to(self.device)
         if multi_tensor:
-            as_table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64).to(self.device)  # noqa: E731
-            self.p_table, self.buf_table = as_table(params), as_table(bufs)
+            self.p_table, self.buf_table = pointer_table(params, self.device), pointer_table(bufs, self.device)
             self._grads = GradTable(self.device, len(params))
 
     def configure(self, config) -> None:
@@ -182,7 +192,9 @@ class TritonBatch(MuonBatch):
     def run(self, h: MuonHyper) -> None:
         """The batch alone (CPU, the interpreter): NS through ``iterate`` on the normalized X."""
         self.prepare(h)
-        self.apply(h, iterate(normalized(self.x, self.norm), h.schedule).contiguous())
+        ortho = iterate(normalized(self.x, self.norm), h.schedule).contiguous()
+        self.keep_update(h, ortho, static=False)
+        self.apply(h, ortho)
 
 
 
@@ -195,35 +207,28 @@ class JointNS:
         self.batches = batches
         self._graph: tuple[tuple, StaticGraph] | None = None  # (schedule, its graph)
 
-    def __call__(self, schedule: list[tuple[float, float, float]]) -> list[Tensor]:
+    def __call__(self, schedule: list[tuple[float, float, float]]) -> tuple[list[Tensor], bool]:
+        """Each batch's O, and whether they are static (a graph's outputs, rewritten by its
+        replays: a graph of this class, or one the caller is capturing)."""
         run = lambda: joint_newton_schulz([b.x for b in self.batches], schedule,  # noqa: E731
                                           norms=[b.norm for b in self.batches])  # fmt: skip
-        if not GRAPH_NS or torch.cuda.is_current_stream_capturing():
-            return run()
+        if torch.cuda.is_current_stream_capturing():
+            return run(), True
+        if not GRAPH_NS:
+            return run(), False
         key = tuple(schedule)
         if self._graph is None or self._graph[0] != key:
             self._graph = (key, StaticGraph(self.batches[0].device, run))
-        return self._graph[1].replay()
+        return self._graph[1].replay(), True
 
 
 def _batch_kind(ps: list[Tensor], bufs: list[Tensor], mode: str) -> Callable[..., MuonBatch]:
-    p = ps[0]
-    if mode == "torch" or p.dtype not in TRITON_DTYPES:
-        return TorchBatch
-    if not all(t.is_contiguous() for t in (*ps, *bufs)):
-        _warn_once("kernel_factory: non-contiguous Muon parameters take torch's multi-tensor ops")
-        return TorchBatch
-    if p.device.type == "cpu":
-        if mode == "auto":
-            return TorchBatch
-        if not interpreter_enabled():
-            raise RuntimeError("KERNEL_FACTORY_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1 set "
-                               "before triton is imported (or use CUDA tensors)")  # fmt: skip
+    paths = {kernel_path(p, mode) for p in ps}  # the buffers are contiguous (_init_momentum_buffer)
+    if paths == {"interpreter"}:
         return lambda *a: TritonBatch(*a, multi_tensor=False)
-    if p.device.type != "cuda" or not triton_available():
-        return TorchBatch
-    aligned = all(t.data_ptr() % 16 == 0 for t in (*ps, *bufs))
-    return lambda *a: TritonBatch(*a, multi_tensor=aligned)
+    if paths == {"cuda"}:
+        return lambda *a: TritonBatch(*a, multi_tensor=aligned([*ps, *bufs]))
+    return TorchBatch
 
 
 def _init_momentum_buffer(p: Tensor, state: dict) -> None:
@@ -243,7 +248,9 @@ class MuonGroupPlan:
         self.key = key
         mode = backend or backend_mode()
         groups: dict[tuple, list[Tensor]] = {}
-        for p in params:
+        for i, p in enumerate(params):
+            if p.is_complex():  # torch.optim.Muon's error
+                raise RuntimeError(f"Muon does not support complex parameters (parameter {i}, shape {tuple(p.shape)})")
             if p.numel() == 0:
                 continue  # nothing to orthogonalize or update
             _init_momentum_buffer(p, state[p])
@@ -268,8 +275,17 @@ class MuonGroupPlan:
             with torch.cuda.device(ns.batches[0].device):  # Triton launches on the current device
                 for batch in ns.batches:
                     batch.prepare(h)
-                for batch, ortho in zip(ns.batches, ns(h.schedule), strict=True):
+                orthos, static = ns(h.schedule)
+                for batch, ortho in zip(ns.batches, orthos, strict=True):
+                    batch.keep_update(h, ortho, static)
                     batch.apply(h, ortho.contiguous())
+
+    def update_amax(self) -> Tensor:
+        """The last step's largest |adjusted lr · O| over the group's batches (0-d fp32)."""
+        if not self.batches:
+            return torch.zeros(())
+        device = self.batches[0].device
+        return torch.stack([b.update_amax().to(device) for b in self.batches]).max()
 
 
 def muon_group_plan(plans: dict[int, MuonGroupPlan], index: int, params: list[Tensor], state: dict,

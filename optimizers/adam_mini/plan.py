@@ -14,10 +14,10 @@ from torch import Tensor
 
 from kernel_factory.generator import ADAM_MINI, detect_arch, load, select
 
-from .adam_mini_partition import ParamPartition
-from .adam_plan import TRITON_DTYPES, log2_pair
-from .fp8_momentum import fp8_layout
-from .grad_table import GradTable
+from ..shared.buckets import TRITON_DTYPES, aligned, log2_pair, pointer_table, share_step_counts
+from ..shared.grad_table import GradTable
+from .fp8 import fp8_layout
+from .partition import ParamPartition
 
 MOMENTUM_TRITON = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
 ROW, BLOCK, ADAM = 0, 1, 2  # item kinds, as the template numbers them
@@ -90,9 +90,7 @@ class AdamMiniTritonPlan:
         # One buffer of step counts, state['step'] views of it, advanced on the device by the
         # template's begin kernel, which also writes each tensor's bias-correction factors into
         # coefs (T, 4) (no host sync).
-        self.steps = torch.stack([s["step"].detach().reshape(()).to(self.device, torch.float32) for s in states])
-        for i, s in enumerate(states):
-            s["step"] = self.steps[i]
+        self.steps = share_step_counts(states, self.device)
         self.coefs = torch.zeros((len(params), 4), dtype=torch.float32, device=self.device)
         # Likewise one (T, 2) buffer of pool counters (FP8): the begin kernel clears the half this
         # step counts its requests in; the other half, last step's, lets the update skip the pool
@@ -122,8 +120,7 @@ class AdamMiniTritonPlan:
         return state.get(name, self._dummy) if key in ("scale", "pool", "used") else state[name]
 
     def _table(self, key: str) -> Tensor:
-        ptrs = [self._tensor(i, key).data_ptr() for i in range(len(self.params))]
-        return torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        return pointer_table([self._tensor(i, key) for i in range(len(self.params))], self.device)
 
     def configure(self, config) -> None:
         """Launch with ``config`` from now on (the tuner and benchmarks try configs this way)."""
@@ -147,8 +144,7 @@ class AdamMiniTritonPlan:
     def _vectorizable(self, i: int) -> bool:
         # Grads are made 16-byte aligned by GradTable; the state is allocated here, but a loaded
         # state or a parameter view may start anywhere.
-        aligned = all(self._tensor(i, k).data_ptr() % 16 == 0 for k in ("p", "m", "pool", "v"))
-        return aligned and self.parts[i].cols % VECTOR == 0
+        return aligned([self._tensor(i, k) for k in ("p", "m", "pool", "v")]) and self.parts[i].cols % VECTOR == 0
 
     def run(self, group: dict, checked_grads) -> None:
         """One step (the begin kernel, then the update launches); ``checked_grads()`` returns the

@@ -1,12 +1,15 @@
 """Optimizer telemetry: counters that live on the device and are read only when asked.
 
-Any optimizer owns a ``Telemetry`` and, inside ``step()``, either adds to its counters with
-tensor ops (``add``: one small device op each) or, cheaper, points it at counters its kernels
-keep in their own buffers (``watch``: no device op until asked). Nothing synchronises until
-``summary()`` is called. Step time is measured with CUDA events around ``step()`` when
-``time_steps`` is on.
+Every optimizer owns a ``Telemetry`` and wraps its ``step()`` in ``telemetry.step(device,
+found_inf)``, which counts the step (and, with GradScaler's ``found_inf``, a skipped one) by one
+device op, so that a step captured in a CUDA graph keeps counting when the graph is replayed.
+Inside the step an optimizer either adds to its counters with tensor ops (``add``: one small
+device op each) or, cheaper, points a counter at a value its kernels or its state already hold
+(``watch``: nothing is computed until asked). Nothing synchronises until ``summary()``. Step time
+is measured with CUDA events around ``step()`` when ``time_steps`` is on (eager steps only).
 
-    opt.telemetry.summary()      # {'steps': 10, 'fp8_blocks': ..., 'step_ms_mean': ...}
+    opt.telemetry.summary()      # {'steps': 10, 'amax_update': ..., 'step_ms_mean': ...}
+    opt.telemetry.time_steps = True
     print(opt.telemetry.table())
 """
 
@@ -21,10 +24,15 @@ from torch import Tensor
 # How each counter combines: summed over parameters and all steps so far, or over the
 # parameters of the last step only (summed, or the maximum).
 TOTAL, STEP_SUM, STEP_MAX = "total", "step_sum", "step_max"
+# Every optimizer's: the last step's largest |update| as applied (lr-scaled, weight decay left out).
+AMAX_UPDATE = {"amax_update": STEP_MAX}
+# Optimizers that take GradScaler's found_inf (and skip the update on the device) count those steps.
+SKIPPED_STEPS = "skipped_steps"
 
 
 class Telemetry:
-    """Named device counters; ``kinds`` maps each name to TOTAL, STEP_SUM or STEP_MAX."""
+    """Named device counters; ``kinds`` maps each name to TOTAL, STEP_SUM or STEP_MAX (``steps``
+    is always counted; ``skipped_steps``, when named, counts the steps ``found_inf`` skipped)."""
 
     def __init__(self, kinds: dict[str, str], time_steps: bool = False) -> None:
         self.kinds = dict(kinds)
@@ -35,7 +43,8 @@ class Telemetry:
         self._total_reads: dict[str, dict[object, Callable]] = {}  # watched running totals, by owner
         self._baseline: dict[str, float] = {}  # watched totals at the last reset()
         self._events: list[tuple] = []
-        self.steps = 0
+        self._counts: Tensor | None = None  # float64 (steps, skipped steps) on the first step's device
+        self._increment: Tensor | None = None  # (1, 0) beside it
 
     def _slot(self, store: dict, name: str, like: Tensor) -> Tensor:
         t = store.get(name)
@@ -62,13 +71,26 @@ class Telemetry:
         else:
             self._step_reads.setdefault(name, []).append(read)
 
+    def _count(self, device: torch.device | None, found_inf: Tensor | None) -> None:
+        device = torch.device("cpu") if device is None else device
+        if self._counts is None:
+            self._counts = torch.zeros(2, dtype=torch.float64, device=device)
+            self._increment = torch.tensor([1.0, 0.0], dtype=torch.float64, device=device)
+        self._counts.add_(self._increment)
+        if found_inf is not None and SKIPPED_STEPS in self.kinds:
+            self._counts[1:].add_(found_inf.detach().reshape(1).to(self._counts.device) > 0)
+
     @contextmanager
-    def step(self, device: torch.device | None = None):
-        """Wrap one optimizer step: resets the per-step counters, counts the step, times it."""
+    def step(self, device: torch.device | None = None, found_inf: Tensor | None = None):
+        """Wrap one optimizer step on ``device`` (its first parameter's): resets the per-step
+        counters, counts the step (and, with ``found_inf`` > 0, a skipped one) on the device,
+        and times it with CUDA events when ``time_steps`` is on and no graph is being captured."""
         for t in self._step_values.values():
             t.zero_()
         self._step_reads.clear()
-        timed = self.time_steps and device is not None and device.type == "cuda"
+        self._count(device, found_inf)
+        timed = (self.time_steps and device is not None and device.type == "cuda"
+                 and not torch.cuda.is_current_stream_capturing())  # fmt: skip
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -76,12 +98,15 @@ class Telemetry:
         if timed:
             end.record()
             self._events.append((start, end))
-        self.steps += 1
 
     def summary(self) -> dict[str, float]:
         """Every counter as a Python number (this synchronises), plus step timing if on."""
-        out: dict[str, float] = {"steps": self.steps}
+        counts = [0, 0] if self._counts is None else [int(c) for c in self._counts.tolist()]
+        out: dict[str, float] = {"steps": counts[0]}
         for name in self.kinds:
+            if name == SKIPPED_STEPS:
+                out[name] = counts[1]
+                continue
             t = self._values.get(name, self._step_values.get(name))
             values = ([float(t)] if t is not None else []) + [float(r()) for r in self._watched(name)]
             combine = max if self.kinds[name] == STEP_MAX else sum
@@ -108,4 +133,5 @@ class Telemetry:
         self._values.clear()
         self._step_values.clear()
         self._events.clear()
-        self.steps = 0
+        if self._counts is not None:
+            self._counts.zero_()

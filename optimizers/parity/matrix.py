@@ -1,6 +1,6 @@
 """The parity matrix: optimizer x parameter dtype x shape set, against torch.optim.
 
-    python -m kernel_factory.optimizers.parity_matrix [--steps 5]
+    python -m kernel_factory.optimizers.parity.matrix [--steps 5]
 
 On a CUDA machine it runs the real (multi-tensor) kernels on the GPU; without one it runs the
 generated single-tensor kernels under the Triton interpreter (TRITON_INTERPRET=1 is set here
@@ -25,11 +25,11 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KERNEL_FACTORY_BACKEND", "triton")
 
-from .adam import Adam, AdamW, ReferenceAdam, ReferenceAdamW  # noqa: E402
-from .adam_mini import AdamMini, ReferenceAdamMini  # noqa: E402
-from .muon import Muon  # noqa: E402
-from .parity import parity_check  # noqa: E402
-from .workloads import INIT_STD, SHAPE_SETS, ShapeModel  # noqa: E402
+from ..adam_mini import AdamMini, ReferenceAdamMini  # noqa: E402
+from ..adamw import Adam, AdamW, ReferenceAdam, ReferenceAdamW  # noqa: E402
+from ..muon import Muon  # noqa: E402
+from ..shared.workloads import INIT_STD, SHAPE_SETS, ShapeModel  # noqa: E402
+from .check import parity_check  # noqa: E402
 
 # Normwise tolerances, from the arithmetic: fp32 ours vs torch differ by rounding only
 # (measured <= 1.3e-7 after 20 steps); bf16 / fp16 storage rounds each step to 8 / 11 bits.

@@ -11,33 +11,25 @@ See ``adam_mini_partition`` for the blocks, ``adam_mini_reference`` for the math
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from kernel_factory.generator import backend_mode, interpreter_enabled, triton_available
+from kernel_factory.generator import backend_mode
 
-from .adam_mini_partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
-from .adam_mini_plan import AdamMiniTritonPlan
-from .adam_mini_reference import adam_mini_reference_step
-from .adam_plan import TRITON_DTYPES
-from .checks import check_adam_hyperparameters, check_param_grad, checked_grads, evaluate_closure
-from .fp8_momentum import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
-from .telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
+from ..shared.buckets import kernel_path, warn_once
+from ..shared.checks import check_adam_hyperparameters, check_param_grad, checked_grads, evaluate_closure
+from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
+from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
+from .partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
+from .plan import AdamMiniTritonPlan
+from .reference import adam_mini_reference_step
 
 MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 TELEMETRY = {"fp8_blocks": STEP_SUM, "bf16_blocks": STEP_SUM, "fallback_total": TOTAL, "overflow_total": TOTAL,
-             "amax_update": STEP_MAX}  # fmt: skip
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+             **AMAX_UPDATE}  # fmt: skip
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -46,7 +38,11 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 def _named_groups(named_parameters) -> list[dict]:
-    """Accept (name, param) pairs or param-group dicts whose "params" are such pairs."""
+    """Accept (name, param) pairs or param-group dicts whose "params" are such pairs, with
+    torch.optim's errors for a bare tensor, an empty list and names on some params only."""
+    if isinstance(named_parameters, Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        + torch.typename(named_parameters))  # fmt: skip
     items = list(named_parameters)
     if not items:
         raise ValueError("optimizer got an empty parameter list")
@@ -54,7 +50,13 @@ def _named_groups(named_parameters) -> list[dict]:
         groups = [dict(g, params=list(g["params"])) for g in items]
     else:
         groups = [{"params": items}]
-    for g in groups:
+    for index, g in enumerate(groups):
+        named = [isinstance(pair, tuple) for pair in g["params"]]
+        if any(named) and not all(named):
+            raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+        if index > 0 and not any(named):  # the first group had names (checked below)
+            raise ValueError("all optimizer param groups should be with/without names. "
+                             "cannot add param group without names to the optimizer")  # fmt: skip
         for pair in g["params"]:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                     and isinstance(pair[1], Tensor)):  # fmt: skip
@@ -139,7 +141,7 @@ class AdamMini(torch.optim.Optimizer):
         self._plans: dict[int, tuple] = {}
         unmatched = self.partition.unmatched()
         if unmatched:
-            _warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "
+            warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "
                        "to change that)")  # fmt: skip
         if verbose:
             print(format_table(self.partition_table()))
@@ -165,7 +167,7 @@ class AdamMini(torch.optim.Optimizer):
             return state
         momentum = self._momentum_name(p)
         if momentum != self.momentum_dtype:
-            _warn_once(f"AdamMini: FP8 momentum needs a CUDA GPU of sm89 or later; {p.device} tensors keep "
+            warn_once(f"AdamMini: FP8 momentum needs a CUDA GPU of sm89 or later; {p.device} tensors keep "
                        "bf16 momentum")  # fmt: skip
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         if momentum == "fp8":
@@ -192,22 +194,7 @@ class AdamMini(torch.optim.Optimizer):
 
     def _path(self, p: Tensor) -> str:
         """"triton" or "reference" for this parameter (KERNEL_FACTORY_BACKEND or ``backend``)."""
-        mode = self.backend or backend_mode()
-        if mode == "torch" or p.dtype not in TRITON_DTYPES or not p.is_contiguous():
-            return "reference"
-        if p.device.type == "cpu":
-            if mode != "triton":
-                return "reference"
-            if not interpreter_enabled():
-                raise RuntimeError("KERNEL_FACTORY_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1 set "
-                                   "before triton is imported (or use CUDA tensors)")  # fmt: skip
-            return "triton"
-        if p.device.type != "cuda":
-            return "reference"
-        if not triton_available():
-            _warn_once("AdamMini: triton is not installed; CUDA tensors take the PyTorch reference path")
-            return "reference"
-        return "triton"
+        return "triton" if kernel_path(p, self.backend or backend_mode()) in ("cuda", "interpreter") else "reference"
 
     def _group_plan(self, index: int, params: list[Tensor]) -> tuple[list, list[Tensor]]:
         """(Triton plans, reference params) of one group's params with grads, built once per set."""

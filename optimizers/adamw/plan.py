@@ -20,37 +20,28 @@ each parameter is a 0-d view into it, so state_dict keeps torch's layout.
 
 from __future__ import annotations
 
-import math
-import struct
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as torch_functional_adam
 
-from kernel_factory.generator import (
-    ADAMW,
-    backend_mode,
-    detect_arch,
-    interpreter_enabled,
-    load,
-    select,
-    triton_available,
+from kernel_factory.generator import ADAMW, backend_mode, detect_arch, load, select
+
+from ..shared.buckets import (
+    TRITON_DTYPES,
+    LrBuffer,
+    aligned,
+    chunk_work_list,
+    kernel_path,
+    log2_pair,
+    pointer_table,
+    share_step_counts,
 )
-
-from .checks import checked_grads
-from .grad_table import GradTable
+from ..shared.checks import checked_grads
+from ..shared.grad_table import GradTable
+from ..shared.steppers import register_group_stepper
 from .reference import adam_reference_step
-
-TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 class Hyper:
@@ -75,20 +66,6 @@ class Hyper:
         return (b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), self.eps, self.weight_decay)
 
 
-def _fp32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def log2_pair(beta: float) -> tuple[float, float]:
-    """log2(beta) split into fp32 hi and lo with hi + lo == log2(beta) to ~1e-14 (b^t = 0 for
-    beta = 0: hi = -inf)."""
-    if beta <= 0:
-        return -math.inf, 0.0
-    x = math.log2(beta)
-    hi = _fp32(x)
-    return hi, x - hi
-
-
 class Bucket:
     """Tensors of one group that run the same way on one device: params and their state."""
 
@@ -98,13 +75,9 @@ class Bucket:
         self.exp_avgs = [s["exp_avg"] for s in states]
         self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         self.max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if amsgrad else []
-        # One buffer of step counts; state['step'] becomes a view of it (no host sync here).
-        self.steps = torch.stack(
-            [s["step"].detach().reshape(()).to(self.device, torch.float32) for s in states]
-        )
-        for i, s in enumerate(states):
-            s["step"] = self.steps[i]
+        self.steps = share_step_counts(states, self.device)
         self._states = states
+        self._last: tuple[Hyper, float | Tensor] | None = None  # the last step's hyperparameters and lr
 
     def step_views(self) -> list[Tensor]:
         return [s["step"] for s in self._states]
@@ -115,9 +88,28 @@ class Bucket:
     def run(self, h: Hyper, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         raise NotImplementedError
 
+    def update_amax(self) -> Tensor:
+        """The last step's largest |lr m̂ / (√v̂ + ε)| (the Adam update, weight decay left out) as a
+        0-d fp32 tensor, recomputed from the state when called: no cost in the step itself, and
+        under a CUDA graph replay it reads the state and lr the replay left. A step that
+        ``found_inf`` skipped left the state, and so this value, as the step before it."""
+        if self._last is None:
+            return torch.zeros((), device=self.device)
+        h, lr = self._last
+        lr = torch.as_tensor(lr, device=self.device).double().reshape(())
+        vs = self.max_exp_avg_sqs if h.amsgrad else self.exp_avg_sqs
+        amax = torch.zeros((), dtype=torch.float32, device=self.device)
+        for m, v, t in zip(self.exp_avgs, vs, self.steps.double(), strict=True):
+            step_size = (lr / (1 - h.beta1**t)).float()
+            bc2_sqrt = torch.sqrt(1 - h.beta2**t).float()
+            update = step_size * m.float().abs() / (v.float().sqrt() / bc2_sqrt + h.eps)
+            amax = torch.maximum(amax, update.max() if update.numel() else amax)
+        return amax
+
 
 class Reference(Bucket):
     def run(self, h, grad_scale, found_inf):
+        self._last = (h, h.lr)
         adam_reference_step(
             self.params, self.grads(), self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs,
             self.step_views(),
@@ -131,6 +123,7 @@ class TorchFused(Bucket):
     """torch's own fused CPU kernel (what torch.optim.AdamW(fused=True) runs on CPU)."""
 
     def run(self, h, grad_scale, found_inf):
+        self._last = (h, h.lr)
         torch_functional_adam(
             self.params, self.grads(), self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs,
             self.step_views(),
@@ -158,8 +151,7 @@ class TritonBucket(Bucket):
         )
         self._kernels: dict[bool, Callable] = {}
         self.done = torch.zeros(len(params), dtype=torch.int32, device=self.device)
-        self._lr = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self._lr_value: float | None = None
+        self.lr_tensor = LrBuffer(self.device)
         arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
         total = sum(p.numel() for p in params)
         self.config = dict(select(ADAMW, arch, ADAMW.variant(**self._variant, grad_scaling=False),
@@ -178,17 +170,11 @@ class TritonBucket(Bucket):
             k = self._kernels[grad_scaling] = load(ADAMW, variant).adam_kernel
         return k
 
-    def lr_tensor(self, lr: float | Tensor) -> Tensor:
-        """A device tensor holding lr: the group's own when it is one on this device, else a
-        buffer refilled only when a scheduler changes the float (no recompile, no sync)."""
-        if isinstance(lr, Tensor):
-            if lr.device == self.device:
-                return lr
-            lr = float(lr)  # a CPU tensor: reading it does not synchronise
-        if lr != self._lr_value:
-            self._lr.fill_(lr)
-            self._lr_value = lr
-        return self._lr
+    def lr_for_step(self, h: Hyper) -> Tensor:
+        """The device lr the kernel reads this step (kept for ``update_amax``)."""
+        lr = self.lr_tensor(h.lr)
+        self._last = (h, lr)
+        return lr
 
     def scaler_args(self, grad_scale, found_inf) -> tuple[Tensor, Tensor]:
         if grad_scale is None and found_inf is None:
@@ -205,13 +191,13 @@ class TritonSingleTensor(TritonBucket):
 
     def run(self, h, grad_scale, found_inf):
         kernel = self.kernel(grad_scale is not None or found_inf is not None)
-        lr = self.lr_tensor(h.lr)
+        lr = self.lr_for_step(h)
         gs, fi = self.scaler_args(grad_scale, found_inf)
         scalars = h.kernel_scalars()
         for i, (p, g) in enumerate(zip(self.params, self.grads(), strict=True)):
             vmax = self.max_exp_avg_sqs[i] if h.amsgrad else self.exp_avg_sqs[i]
             n = p.numel()
-            kernel[(triton_cdiv(n, self.chunk),)](
+            kernel[(-(-n // self.chunk),)](
                 p, g.contiguous(), self.exp_avgs[i], self.exp_avg_sqs[i], vmax, n,
                 self.steps[i], self.done[i], lr, gs, fi, *scalars, **self.config,
             )  # fmt: skip
@@ -223,26 +209,19 @@ class TritonMultiTensor(TritonBucket):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         dev = self.device
-        as_table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)  # noqa: E731
         self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
         self.numel = self._numels.to(dev)
         self.configure(self.config)
-        self.param_table = as_table(self.params)
-        self.exp_avg_table = as_table(self.exp_avgs)
-        self.exp_avg_sq_table = as_table(self.exp_avg_sqs)
-        self.max_table = as_table(self.max_exp_avg_sqs) if self.max_exp_avg_sqs else self.exp_avg_sq_table
+        self.param_table = pointer_table(self.params, dev)
+        self.exp_avg_table = pointer_table(self.exp_avgs, dev)
+        self.exp_avg_sq_table = pointer_table(self.exp_avg_sqs, dev)
+        self.max_table = pointer_table(self.max_exp_avg_sqs, dev) if self.max_exp_avg_sqs else self.exp_avg_sq_table
         self._grads = GradTable(dev, len(self.params))
 
     def configure(self, config) -> None:
         super().configure(config)
-        nchunks = (self._numels + self.chunk - 1) // self.chunk
-        # Work list: program i updates chunk work[i, 1] of tensor work[i, 0].
-        tensor_of = torch.repeat_interleave(torch.arange(len(self.params)), nchunks)
-        first = torch.cumsum(nchunks, 0) - nchunks
-        chunk_of = torch.arange(int(nchunks.sum())) - torch.repeat_interleave(first, nchunks)
-        self.work = torch.stack([tensor_of, chunk_of], 1).to(torch.int32).contiguous().to(self.device)
+        self.work, self.nchunks = chunk_work_list(self._numels, self.chunk, self.device)
         self.n_work = self.work.shape[0]
-        self.nchunks = nchunks.to(torch.int32).to(self.device)
 
     def run(self, h, grad_scale, found_inf):
         # Grads are validated when their addresses change (a new grad tensor), not every step.
@@ -252,36 +231,19 @@ class TritonMultiTensor(TritonBucket):
         kernel[(self.n_work,)](
             self.work, self.numel, self.nchunks, self.param_table, grad_table,
             self.exp_avg_table, self.exp_avg_sq_table, self.max_table, self.steps, self.done,
-            self.lr_tensor(h.lr), gs, fi, *h.kernel_scalars(), **self.config,
+            self.lr_for_step(h), gs, fi, *h.kernel_scalars(), **self.config,
         )  # fmt: skip
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _bucket_kind(p: Tensor, state_dtype: torch.dtype, mode: str) -> type[Bucket]:
-    if mode == "torch":
+    path = kernel_path(p, mode)
+    if path == "cpu":  # torch's fused CPU kernel keeps state in the parameter dtype
+        return TorchFused if state_dtype == p.dtype else Reference
+    if path == "reference" or state_dtype not in TRITON_DTYPES or p.numel() == 0:
         return Reference
-    if not p.is_contiguous():
-        _warn_once("kernel_factory: non-contiguous parameters take the (slower) PyTorch reference path")
-        return Reference
-    triton_ok = p.dtype in TRITON_DTYPES and state_dtype in TRITON_DTYPES and p.numel() > 0
-    if p.device.type == "cpu":
-        if mode == "auto":
-            return TorchFused if state_dtype == p.dtype else Reference
-        if not interpreter_enabled():
-            raise RuntimeError(
-                "KERNEL_FACTORY_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1 set "
-                "before triton is imported (or use CUDA tensors)"
-            )
-        return TritonSingleTensor if triton_ok else Reference
-    if p.device.type != "cuda" or not triton_ok:
-        return Reference
-    if not triton_available():
-        _warn_once("kernel_factory: triton is not installed; CUDA tensors take the PyTorch reference path")
-        return Reference
-    return TritonMultiTensor if p.data_ptr() % 16 == 0 else TritonSingleTensor
+    if path == "interpreter":
+        return TritonSingleTensor
+    return TritonMultiTensor if aligned([p]) else TritonSingleTensor
 
 
 def _init_state(p: Tensor, state: dict, amsgrad: bool, state_dtype: torch.dtype) -> None:
@@ -333,6 +295,12 @@ class AdamGroupPlan:
             else:
                 bucket.run(h, grad_scale, found_inf)
 
+    def update_amax(self) -> Tensor:
+        """The last step's largest |update| over the buckets (``Bucket.update_amax``), on the first
+        bucket's device."""
+        device = self.buckets[0].device
+        return torch.stack([b.update_amax().to(device) for b in self.buckets]).max()
+
 
 def group_plan(plans: dict[int, AdamGroupPlan], index: int, params: list[Tensor], state: dict, group: dict,
                backend: str | None = None) -> AdamGroupPlan:  # fmt: skip
@@ -344,3 +312,6 @@ def group_plan(plans: dict[int, AdamGroupPlan], index: int, params: list[Tensor]
     if plan is None or plan.key != key:
         plan = plans[index] = AdamGroupPlan(key, params, state, group, backend)
     return plan
+
+
+register_group_stepper("adamw", group_plan)

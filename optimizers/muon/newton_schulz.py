@@ -20,7 +20,7 @@ from torch import Tensor
 
 from kernel_factory.generator import backend_mode, triton_available
 
-from .newton_schulz_triton import graphed_newton_schulz, ns_config, per_product
+from .newton_schulz_launch import graphed_newton_schulz, ns_config, per_product
 
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the published schedule for

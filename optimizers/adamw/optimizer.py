@@ -4,7 +4,8 @@ Same arguments, ValueErrors and state_dict as torch.optim (``step``,
 ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so checkpoints move both ways.
 CUDA tensors take the tuned Triton kernel (one launch per param group and
 dtype); CPU tensors take torch's fused CPU kernel. ``GradScaler`` passes
-``grad_scale``/``found_inf``, which the kernel applies (unscale, skip on inf).
+``grad_scale``/``found_inf``, which the kernel applies (unscale, skip on inf). ``telemetry``
+counts steps and skipped steps on the device and gives the last step's largest |update|.
 """
 
 from __future__ import annotations
@@ -14,25 +15,37 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from .adam_plan import AdamGroupPlan, group_plan
-from .checks import check_adam_hyperparameters, check_implementation_flags, evaluate_closure, resolve_state_dtype
+from ..shared.checks import (
+    check_adam_hyperparameters,
+    check_implementation_flags,
+    evaluate_closure,
+    resolve_state_dtype,
+)
+from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
+from .plan import AdamGroupPlan, group_plan
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+TELEMETRY = {**AMAX_UPDATE, SKIPPED_STEPS: TOTAL}
 
 
 class Adam(torch.optim.Optimizer):
     """Adam (L2 weight decay, or decoupled with ``decoupled_weight_decay=True``).
 
-    Args: as ``torch.optim.Adam``: ``params`` (tensors or param-group dicts),
-    ``lr`` (float or 1-element tensor), ``betas``, ``eps``, ``weight_decay``,
-    ``amsgrad``, ``maximize``, ``capturable``, ``foreach``/``fused`` (accepted and
-    checked; the step is always fused), ``differentiable`` (must be False),
-    ``decoupled_weight_decay``. Extra: ``state_dtype=None`` keeps state in the
-    parameter dtype like torch; ``"fp32"`` keeps fp32 moments for bf16/fp16
-    parameters (+8 bytes/param of traffic, better precision).
+    Args: as ``torch.optim.Adam``, with its checks and messages: ``params`` (tensors,
+    (name, tensor) pairs or param-group dicts), ``lr`` (float or 1-element tensor), ``betas``
+    (both floats or both 1-element CPU tensors), ``eps``, ``weight_decay``, ``amsgrad``,
+    ``maximize``, ``capturable``, ``foreach``/``fused`` (accepted and checked; the step is always
+    fused, so a Tensor lr or Tensor betas work with ``foreach=True`` too, where torch's foreach
+    path refuses them), ``differentiable`` (must be False), ``decoupled_weight_decay``. Extra:
+    ``state_dtype=None`` keeps state in the parameter dtype like torch; ``"fp32"`` keeps fp32
+    moments for bf16/fp16 parameters (+8 bytes/param of traffic, better precision).
 
     Parameters: fp32, bf16, fp16 (fp64 takes the reference path); grads of the
     same shape, dtype and device.
+
+    ``telemetry.summary()``: ``steps``, ``skipped_steps`` (GradScaler's found_inf), the last
+    step's ``amax_update`` (max |lr m̂ / (√v̂ + ε)|, computed from the state when asked), and
+    ``step_ms_mean`` / ``step_ms_last`` with ``telemetry.time_steps = True`` (CUDA events).
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
@@ -68,6 +81,7 @@ class Adam(torch.optim.Optimizer):
         )  # fmt: skip
         super().__init__(params, defaults)
         self._plans: dict[int, AdamGroupPlan] = {}
+        self.telemetry = Telemetry(TELEMETRY)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -78,6 +92,7 @@ class Adam(torch.optim.Optimizer):
                                ("state_dtype", None)):  # fmt: skip
                 group.setdefault(key, value)
         self._plans = {}
+        self.telemetry = Telemetry(TELEMETRY)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then: keep fp32 moments where ``state_dtype='fp32'`` (torch casts
@@ -99,11 +114,14 @@ class Adam(torch.optim.Optimizer):
         loss = evaluate_closure(closure)
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
-        for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            group_plan(self._plans, index, params, self.state, group, self.backend).run(group, grad_scale, found_inf)
+        with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
+            for index, group in enumerate(self.param_groups):
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                plan = group_plan(self._plans, index, params, self.state, group, self.backend)
+                plan.run(group, grad_scale, found_inf)
+                telemetry.watch("amax_update", plan.update_amax)
         return loss
 
 

@@ -13,11 +13,11 @@ import torch
 
 from kernel_factory.generator import MUON, size_bucket
 
-from .inplace_task import InPlaceTask
-from .muon import Muon
-from .muon_plan import MuonHyper, TorchBatch, TritonBatch
-from .parity import compare_tensors
-from .workloads import SHAPE_SETS
+from ..parity import compare_tensors
+from ..shared.tuning import InPlaceTask
+from ..shared.workloads import SHAPE_SETS
+from .optimizer import Muon
+from .plan import MuonHyper, TorchBatch, TritonBatch
 
 # Normwise, one step: NS in bf16 on inputs that may differ by the Frobenius norm's summation
 # order (one bf16 rounding of a matrix's norm); bf16 params also round their update to 8 bits.
