@@ -7,6 +7,7 @@ import io
 
 import torch
 
+from kernel_factory.optimizers import Adam, AdamMini, AdamW, Muon
 from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes
 
 GEOMETRY = dict(dim=32, n_heads=4, n_kv_heads=2)  # GQA: K and V have 2 heads of 8 rows
@@ -50,3 +51,16 @@ def steps_stay_equal(a, opt_a, b, opt_b, steps: int = 3) -> bool:
         opt_a.step()
         opt_b.step()
     return all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+
+
+OPTIMIZERS = ["AdamW", "Adam", "AdamMini", "Muon"]
+
+
+def no_decay_optimizer(name: str, model: ShapeModel, momentum: str = "fp32"):
+    """Each of ``OPTIMIZERS`` on ``model`` (``gqa_model``) without weight decay, so that a step's
+    update is the parameters' change; Adam with amsgrad, AdamMini with ``momentum``."""
+    if name == "AdamMini":
+        return AdamMini(model.named(), lr=1e-2, momentum_dtype=momentum, **GEOMETRY)
+    if name == "Muon":
+        return Muon(model.named(), lr=0.02, weight_decay=0.0, adamw_lr=1e-2)
+    return {"AdamW": AdamW, "Adam": Adam}[name](model.parameters(), lr=1e-2, weight_decay=0.0, amsgrad=name == "Adam")

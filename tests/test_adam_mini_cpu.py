@@ -8,14 +8,15 @@ import warnings
 import pytest
 import torch
 from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model, steps_stay_equal
+from tolerances import drift_tol, sum_ulps
 
 from kernel_factory.optimizers import AdamMini, NameRules
 from kernel_factory.optimizers.adam_mini.fp8 import REL_ERROR_BOUND, dequantize, new_fp8_state, quantize_
 from kernel_factory.optimizers.parity import compare_tensors
 
-# Normwise relative bound of the issue; fp32 rounding differences (summation order of the
-# block means) stay near 1e-7 over 10 steps.
-TOL = 1e-5
+# Two implementations of the same math (adam-mini's torch ops and ours): an ulp per step plus the
+# block means' sums in another order (the GQA model's largest block: a head of 8 x 32), 10 steps.
+TOL = drift_tol(10, ulps_per_step=1 + sum_ulps(8 * 32))
 
 
 def official(model, lr=1e-2, weight_decay=0.1):

@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+from tolerances import drift_tol
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from kernel_factory.optimizers import Muon, fast_newton_schulz
@@ -113,7 +114,8 @@ def test_non_matrix_params_take_adamw_with_their_own_hyperparameters():
         ref.step()
     for (n, p), (_, q) in zip(named, twin, strict=True):
         if n != "layers.0.mlp.weight":
-            assert compare_tensors(n, "param", p, q, 1e-6).passed
+            # torch's fused CPU kernel (ours on CPU) against its for-loop path: an ulp per step
+            assert compare_tensors(n, "param", p, q, drift_tol(5)).passed
 
 
 @pytest.mark.parametrize("out_channels", [16, 64])  # wide (16 x 36) and tall (64 x 36) once flattened

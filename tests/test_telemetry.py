@@ -1,9 +1,13 @@
-"""Telemetry counters: how each kind combines over parameters and steps."""
+"""Telemetry counters: how each kind combines over parameters and steps, and every optimizer's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from mini_models import OPTIMIZERS, fresh_grads, gqa_model, no_decay_optimizer
+from twin_training import scaled_steps
 
+from kernel_factory.optimizers import AdamW
 from kernel_factory.optimizers.shared.telemetry import STEP_MAX, STEP_SUM, TOTAL, Telemetry
 
 
@@ -40,3 +44,38 @@ def test_watched_counters_are_read_at_summary_time():
     t.reset()
     buffer[1] += 4.0
     assert t.summary()["events"] == 4.0  # counted from the reset
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_counts_steps_and_the_largest_update(name):
+    model = gqa_model()
+    opt = no_decay_optimizer(name, model)
+    for _ in range(3):
+        fresh_grads(model)
+        before = [p.detach().clone() for p in model.params]
+        opt.step()
+    moved = max(float((b - p.detach()).abs().max()) for b, p in zip(before, model.params, strict=True))
+    s = opt.telemetry.summary()
+    assert s["steps"] == 3
+    # The update as computed, against what it did to the parameters (rounded to fp32 there).
+    assert s["amax_update"] == pytest.approx(moved, rel=1e-4) and moved > 0
+    assert ("skipped_steps" in s) == (name in ("AdamW", "Adam"))
+    opt.telemetry.reset()
+    assert opt.telemetry.summary()["steps"] == 0
+
+
+def test_steps_skipped_by_found_inf_are_counted():
+    model = torch.nn.Linear(8, 4)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    scaled_steps(model, opt, "cpu", steps=4, inf_at=2)
+    s = opt.telemetry.summary()
+    assert (s["steps"], s["skipped_steps"]) == (4, 1)
+
+
+def test_step_times_are_cuda_events_only():
+    model = gqa_model()
+    opt = no_decay_optimizer("AdamW", model)
+    opt.telemetry.time_steps = True
+    fresh_grads(model)
+    opt.step()
+    assert "step_ms_mean" not in opt.telemetry.summary()  # CPU tensors: nothing to time on a device
