@@ -1,8 +1,9 @@
 """Optimizer telemetry: counters that live on the device and are read only when asked.
 
 Every optimizer owns a ``Telemetry`` and wraps its ``step()`` in ``telemetry.step(device,
-found_inf)``, which counts the step (and, with GradScaler's ``found_inf``, a skipped one) by one
-device op, so that a step captured in a CUDA graph keeps counting when the graph is replayed.
+found_inf)``, which counts the step: on the host when it runs eagerly, by one small device op
+when it is captured in a CUDA graph (so that the graph's replays keep counting), and a step that
+GradScaler's ``found_inf`` skipped by one device op.
 Inside the step an optimizer either adds to its counters with tensor ops (``add``: one small
 device op each) or, cheaper, points a counter at a value its kernels or its state already hold
 (``watch``: nothing is computed until asked). Nothing synchronises until ``summary()``. Step time
@@ -43,7 +44,8 @@ class Telemetry:
         self._total_reads: dict[str, dict[object, Callable]] = {}  # watched running totals, by owner
         self._baseline: dict[str, float] = {}  # watched totals at the last reset()
         self._events: list[tuple] = []
-        self._counts: Tensor | None = None  # float64 (steps, skipped steps) on the first step's device
+        self._host_steps = 0  # steps run eagerly
+        self._counts: Tensor | None = None  # float64 (graph-replayed steps, skipped steps), on the device
         self._increment: Tensor | None = None  # (1, 0) beside it
 
     def _slot(self, store: dict, name: str, like: Tensor) -> Tensor:
@@ -72,19 +74,25 @@ class Telemetry:
             self._step_reads.setdefault(name, []).append(read)
 
     def _count(self, device: torch.device | None, found_inf: Tensor | None) -> None:
-        device = torch.device("cpu") if device is None else device
-        if self._counts is None:
-            self._counts = torch.zeros(2, dtype=torch.float64, device=device)
-            self._increment = torch.tensor([1.0, 0.0], dtype=torch.float64, device=device)
-        self._counts.add_(self._increment)
+        """Count one step: on the host when it runs eagerly (no device op), on the device when it
+        is being captured in a CUDA graph (one small op in the graph: each replay counts), and a
+        ``found_inf`` > 0 on the device either way."""
+        if self._counts is None:  # at the first step, which runs eagerly (the plans are built in it)
+            self._counts = torch.zeros(2, dtype=torch.float64, device=device or "cpu")
+            self._increment = torch.zeros(2, dtype=torch.float64, device=device or "cpu")
+            self._increment[0] = 1.0
+        if self._counts.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._counts.add_(self._increment)
+        else:
+            self._host_steps += 1
         if found_inf is not None and SKIPPED_STEPS in self.kinds:
             self._counts[1:].add_(found_inf.detach().reshape(1).to(self._counts.device) > 0)
 
     @contextmanager
     def step(self, device: torch.device | None = None, found_inf: Tensor | None = None):
         """Wrap one optimizer step on ``device`` (its first parameter's): resets the per-step
-        counters, counts the step (and, with ``found_inf`` > 0, a skipped one) on the device,
-        and times it with CUDA events when ``time_steps`` is on and no graph is being captured."""
+        counters, counts the step (``_count``), and times it with CUDA events when ``time_steps``
+        is on and no graph is being captured."""
         for t in self._step_values.values():
             t.zero_()
         self._step_reads.clear()
@@ -102,7 +110,7 @@ class Telemetry:
     def summary(self) -> dict[str, float]:
         """Every counter as a Python number (this synchronises), plus step timing if on."""
         counts = [0, 0] if self._counts is None else [int(c) for c in self._counts.tolist()]
-        out: dict[str, float] = {"steps": counts[0]}
+        out: dict[str, float] = {"steps": self._host_steps + counts[0]}
         for name in self.kinds:
             if name == SKIPPED_STEPS:
                 out[name] = counts[1]
@@ -133,5 +141,6 @@ class Telemetry:
         self._values.clear()
         self._step_values.clear()
         self._events.clear()
+        self._host_steps = 0
         if self._counts is not None:
             self._counts.zero_()
