@@ -193,7 +193,7 @@ def test_float_lr_schedule_does_not_recompile():
     for _ in range(5):
         opt.step()
         sched.step()
-    assert _buckets(opt)[0]._lr_value == pytest.approx(1e-2 * 0.5**4)  # the lr of the last step
+    assert _buckets(opt)[0].lr_tensor._value == pytest.approx(1e-2 * 0.5**4)  # the lr of the last step
     assert _compiled_count(kernel) == compiled_before  # no new specialisation for a new lr
 
 
