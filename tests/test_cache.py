@@ -109,6 +109,13 @@ def test_packaged_sm90_cache_is_well_formed():
         assert entry["p50_ms"] <= entry["default_p50_ms"], entry
 
 
+def test_packaged_sm90_cache_matches_every_template():
+    """Every family's entries were tuned on its current template, so none is ignored as stale."""
+    data = json.loads(cache.packaged_cache_path("sm90").read_text())
+    for family in {e["family"] for e in data["entries"]}:
+        assert data["template_hashes"][family] == template_hash(get_family(family)), family
+
+
 def test_merge_keeps_current_entries_replaces_same_key_and_drops_stale(tmp_path):
     path = tmp_path / "smtest.json"
     cache.merge_entries(path, "smtest", [_entry(1 << 20, 256), _entry(1 << 22, 512)])
