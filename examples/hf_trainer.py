@@ -9,12 +9,10 @@ Returns the training losses the Trainer logged.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
-from pathlib import Path
 
 import torch
-from llama_setup import OPTIMIZERS, SIZES, build_optimizer, llama, text_tokens, warmup_cosine
+from llama_setup import arguments, build_optimizer, llama, text_tokens, warmup_cosine
 from transformers import Trainer, TrainingArguments
 
 
@@ -33,16 +31,7 @@ class ByteWindows(torch.utils.data.Dataset):
 
 
 def main(argv=None) -> list[float]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    ap.add_argument("--size", choices=sorted(SIZES), default="real")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--length", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--data", type=Path, default=None, help="a text file (default: the shared corpus)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
+    args = arguments(__doc__).parse_args(argv)
 
     torch.manual_seed(0)
     model = llama(args.size).to(args.device)  # before the optimizer, which keeps the params' state there

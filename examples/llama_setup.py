@@ -4,6 +4,7 @@ warm-up + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -74,3 +75,18 @@ def warmup_cosine(opt: torch.optim.Optimizer, steps: int, warmup: int | None = N
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
 
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The examples' command line: optimizer, model size, steps, batch, sequence length, lr, data,
+    device."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    ap.add_argument("--size", choices=sorted(SIZES), default="real")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--length", type=int, default=256, help="tokens (bytes) per sequence")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--data", type=Path, default=None, help="a text file (default: the shared corpus)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap

@@ -67,7 +67,7 @@ ADAM_MINI = KernelFamily(
     tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list
     # Default: one row, one warp (cheap under the interpreter); the H200's picks are in sm90.json.
     # Rows that split into <= 3 power-of-two tiles go to whole-row launches that take ROWS rows per
-    # program, fewer where a row is long (adam_mini_plan.exact_row_shape); COLS tiles the rest.
+    # program, fewer where a row is long (optimizers/adam_mini/plan.py: exact_row_shape); COLS tiles the rest.
     tunables=(
         Tunable("ROWS", 1, (1, 2, 4, 8)),
         Tunable("COLS", 256, (256, 512, 1024, 2048, 4096)),
@@ -100,14 +100,14 @@ NEWTON_SCHULZ = KernelFamily(
     description="Newton-Schulz iteration: symmetric X Xᵀ and A Aᵀ + a I (upper tiles only), B X",
     axes={
         "dtype": ("bfloat16", "float32"),  # float32: exact-arithmetic variant for the interpreter
-        "variant": ("classic", "hopper"),  # rendered for the config's impl (newton_schulz_triton.py)
+        "variant": ("classic", "hopper"),  # rendered for the config's impl (optimizers/muon/newton_schulz_launch.py)
         # The product of an iteration a config is tuned for: X Xᵀ, c A Aᵀ + b A + a I, B X. The
         # template renders all three kernels whatever its value; it only keys the cache.
         "product": ("gram", "poly", "update"),
     },
     tuning_axes=("dtype", "product"),
-    # FLOPs of one iteration of the batch (newton_schulz_triton.iteration_flops): 1024^2, 48 x 768^2,
-    # 36 x 768 x 2048, 4096^2, 8192^2 (tune_newton_schulz.py)
+    # FLOPs of one iteration of the batch (newton_schulz_launch.iteration_flops): 1024^2, 48 x 768^2,
+    # 36 x 768 x 2048, 4096^2, 8192^2 (optimizers/muon/newton_schulz_tune.py)
     tune_sizes=(1 << 33, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
     # impl: the classic kernels, the hopper ones (TMA, persistent, pipelined across tiles; sm90 and up)
     # or torch's matmuls (cuBLAS), whichever the tuner measured fastest for the size. Default:

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model, steps_stay_equal
+from twin_training import warm_up_and_capture
 
 from kernel_factory.optimizers import AdamMini, ReferenceAdamMini
 from kernel_factory.optimizers.adam_mini.fp8 import dequantize
@@ -138,16 +139,9 @@ def test_step_captures_in_a_cuda_graph():
     for m in (a, b):
         for p, g in zip(m.params, grads, strict=True):
             p.grad = g.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            ours.step()
-            twin.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ours.step()
+    graph = warm_up_and_capture(ours.step, warm_ups=2)
+    for _ in range(2):
+        twin.step()
     for _ in range(3):
         graph.replay()
         twin.step()

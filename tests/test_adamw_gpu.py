@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from twin_training import check_scaler_parity, twin_steps
+from twin_training import check_scaler_parity, twin_steps, warm_up_and_capture
 
 from kernel_factory.optimizers import Adam, AdamW
 from kernel_factory.optimizers.adamw.plan import TritonMultiTensor, TritonSingleTensor
@@ -123,19 +123,12 @@ def test_cuda_graph_capture_and_replay_with_tensor_lr_schedule():
     static_grads = [torch.zeros_like(p) for p in model.parameters()]
     for p, g in zip(model.parameters(), static_grads, strict=True):
         p.grad = g
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for g in static_grads:
-            g.normal_()
-        opt.step()  # warm-up: state init, compile, tables
-    torch.cuda.current_stream().wait_stream(stream)
+    for g in static_grads:
+        g.normal_()
+    graph = warm_up_and_capture(opt.step, warm_ups=1)  # state init, compile, tables
     for q, g in zip(ref_model.parameters(), static_grads, strict=True):
         q.grad = g.clone()
     ref.step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
     for i in range(5):
         new_lr = 1e-2 * 0.5 ** (i + 1)
         lr.fill_(new_lr)

@@ -128,7 +128,7 @@ def test_muon_on_cuda_matches_torch_muon_over_10_steps(dtype, nesterov, monkeypa
     # fp32 params: p = p0 (1 - lr wd)^10 (exact in both) minus the 10 steps lr O, and O is a bf16
     # NS, ours and torch's each a bf16 rounding of the same iteration, NS_TOL apart at most
     # (test_kernels_are_as_close_to_exact_ns_as_torchs_bf16): what the steps moved must agree
-    # within NS_TOL. bf16 params round every stored step to 8 bits: bf16's 1e-2 (parity_matrix's
+    # within NS_TOL. bf16 params round every stored step to 8 bits: bf16's 1e-2 (parity/matrix.py's
     # bound). The momentum buffers' lerp is torch's formula: fp32 rounding only.
     buf_tol = 1e-6 if dtype == torch.float32 else 1e-2
     decay = (1 - kw["lr"] * kw["weight_decay"]) ** 10

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mini_models import OPTIMIZERS, gqa_model, no_decay_optimizer
+from twin_training import warm_up_and_capture
 
 pytestmark = pytest.mark.gpu
 
@@ -16,15 +17,7 @@ def test_graph_replays_keep_counting(name):
     opt.telemetry.time_steps = True
     for p in model.params:
         p.grad = torch.randn_like(p)  # static grads: the graph reads them in place
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up: plans, state, compilation
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
+    graph = warm_up_and_capture(opt.step, warm_ups=2)
     for _ in range(3):
         before = [p.detach().clone() for p in model.params]
         graph.replay()

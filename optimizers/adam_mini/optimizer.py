@@ -5,8 +5,8 @@
     print(format_table(opt.partition_table()))
     opt.step(); opt.telemetry.summary()
 
-See ``adam_mini_partition`` for the blocks, ``adam_mini_reference`` for the math (adam-mini
-1.1.1's) and ``fp8_momentum`` for the FP8 storage and its BF16 fallback.
+See ``partition.py`` for the blocks, ``reference.py`` for the math (adam-mini 1.1.1's) and
+``fp8.py`` for the FP8 storage and its BF16 fallback.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class AdamMini(torch.optim.Optimizer):
         unmatched = self.partition.unmatched()
         if unmatched:
             warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "
-                       "to change that)")  # fmt: skip
+                      "to change that)")  # fmt: skip
         if verbose:
             print(format_table(self.partition_table()))
 
@@ -168,7 +168,7 @@ class AdamMini(torch.optim.Optimizer):
         momentum = self._momentum_name(p)
         if momentum != self.momentum_dtype:
             warn_once(f"AdamMini: FP8 momentum needs a CUDA GPU of sm89 or later; {p.device} tensors keep "
-                       "bf16 momentum")  # fmt: skip
+                      "bf16 momentum")  # fmt: skip
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         if momentum == "fp8":
             state.update(new_fp8_state(p.shape, part.rows, part.cols, p.device, self.sub_block,

@@ -10,7 +10,7 @@ block B of the partition, with g the gradient, t the step after the increment:
     p   = p - lr * m * ((1 / (1 - b1^t)) / h_B)               (biases: p - (lr / (1-b1^t)) * m / h)
 
 Math runs in fp32 whatever the parameter dtype. bf16 momentum is rounded when stored; FP8
-momentum is stored through ``fp8_momentum.quantize_``; the update always uses this step's
+momentum is stored through ``fp8.quantize_``; the update always uses this step's
 unrounded m. This path may synchronise with the host (boolean indexing); the kernel does not.
 """
 

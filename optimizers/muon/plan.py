@@ -7,7 +7,7 @@ the bf16 NS input once (tall matrices transposed tile by tile) with the partial 
 runs NS with the normalization folded into the first iteration's products, and reads p and O once
 to write p: about 24 bytes per fp32 parameter moved outside NS, where torch's multi-tensor ops
 move about 60 (and fall back to one launch per matrix for transposed views). The CUDA batches of a
-group run their NS iterations together (newton_schulz_triton.joint_newton_schulz): two batches
+group run their NS iterations together (newton_schulz_launch.joint_newton_schulz): two batches
 share each launch, so neither leaves SMs idle in its last wave of tiles.
 """
 

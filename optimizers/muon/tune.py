@@ -23,7 +23,7 @@ from .plan import MuonHyper, TorchBatch, TritonBatch
 # order (one bf16 rounding of a matrix's norm); bf16 params also round their update to 8 bits.
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 # Bytes per parameter the kernels move: g (read), buf (read, write), X bf16 (write), O bf16
-# (read), p (read, write); NS divides X by its norm on the fly (newton_schulz_triton.py).
+# (read), p (read, write); NS divides X by its norm on the fly (newton_schulz_launch.py).
 _BF16_BYTES = 2 + 2
 
 
