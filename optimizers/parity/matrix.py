@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 import time
@@ -29,6 +28,7 @@ from ..adam_mini import AdamMini, ReferenceAdamMini  # noqa: E402
 from ..adamw import Adam, AdamW, ReferenceAdam, ReferenceAdamW  # noqa: E402
 from ..muon import Muon  # noqa: E402
 from ..shared.workloads import INIT_STD, SHAPE_SETS, ShapeModel  # noqa: E402
+from .bounds import muon_tol  # noqa: E402
 from .check import parity_check  # noqa: E402
 
 # Normwise tolerances, from the arithmetic: fp32 ours vs torch differ by rounding only
@@ -113,28 +113,11 @@ def adam_mini_cells(device: str):
                        dict(GEOMETRY[shapes], momentum_dtype="fp8"), named)  # fmt: skip
 
 
-# Muon on the CPU: torch's NS5 operations in the same order as torch.optim.Muon's, so the params
-# differ by roundings in bf16's last bits moved by lr: 1e-3 normwise (tests/test_muon_cpu.py).
-MUON_TOL = 1e-3
-NS_TOL = 2e-2  # bf16 NS5, ours vs torch's (tests/test_muon_gpu.py)
-
-
-def muon_gpu_tol(shapes: str, steps: int) -> float:
-    """On the GPU our NS is another bf16 rounding of NS5 than torch's (the poly product folds a I
-    into Bm, kernel_templates/newton_schulz.py.j2), up to NS_TOL apart. Each step moves a
-    rows x cols param by lr sqrt(max(1, rows / cols)) O, O about orthogonal (Frobenius norm
-    sqrt(min(rows, cols))), from N(0, INIT_STD) entries: after ``steps`` steps the params may
-    differ by NS_TOL times the most any of the set's params can have moved, relative to its norm."""
-    lr = HYPER["lr"]
-    moved = max(lr * steps * math.sqrt(max(1, r / c)) * math.sqrt(min(r, c)) / (INIT_STD * math.sqrt(r * c))
-                for r, c in (shape for _, shape in SHAPE_SETS[shapes]))  # fmt: skip
-    return NS_TOL * moved
-
-
 def muon_cells(device: str, steps: int):
-    """Muon against torch.optim.Muon on the hidden matrices of the Llama-style lists."""
+    """Muon against torch.optim.Muon on the hidden matrices of the Llama-style lists, within the
+    bound of our bf16 NS being another rounding of torch's (``bounds.muon_tol``)."""
     for shapes in ["llama_tiny_hidden", "llama134m_hidden"] if ON_GPU else ["llama_tiny_hidden"]:
-        tol = muon_gpu_tol(shapes, steps) if ON_GPU else MUON_TOL
+        tol = muon_tol([s for _, s in SHAPE_SETS[shapes]], HYPER["lr"], steps, INIT_STD)
         yield ("Muon", Muon, torch.float32, shapes, device, torch.optim.Muon, "torch Muon", tol, {}, None)
 
 
