@@ -32,13 +32,15 @@ def matmul_tflops(n: int = 8192, device: str = "cuda") -> float:
     return 2 * n**3 / (p50 * 1e-3) / 1e12
 
 
-def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of one ``fn()`` on the current device, run once on a side stream before the
-    capture (compilation, lazy allocations), as torch's CUDA graph docs ask."""
+def capture_graph(fn: Callable[[], object], warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one ``fn()`` on the current device, run ``warmups`` times on a side stream
+    before the capture (compilation, lazy allocations), as torch's CUDA graph docs ask; the graph
+    is returned unreplayed."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        for _ in range(warmups):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

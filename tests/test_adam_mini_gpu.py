@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model, steps_stay_equal
-from twin_training import warm_up_and_capture
 
+from kernel_factory.generator.timing import capture_graph
 from kernel_factory.optimizers import AdamMini, ReferenceAdamMini
 from kernel_factory.optimizers.adam_mini.fp8 import dequantize
 from kernel_factory.optimizers.adam_mini.plan import AdamMiniTritonPlan
@@ -139,7 +139,7 @@ def test_step_captures_in_a_cuda_graph():
     for m in (a, b):
         for p, g in zip(m.params, grads, strict=True):
             p.grad = g.clone()
-    graph = warm_up_and_capture(ours.step, warm_ups=2)
+    graph = capture_graph(ours.step, warmups=2)
     for _ in range(2):
         twin.step()
     for _ in range(3):

@@ -7,8 +7,9 @@ import io
 
 import pytest
 import torch
-from twin_training import check_scaler_parity, twin_steps, warm_up_and_capture
+from twin_training import check_scaler_parity, twin_steps
 
+from kernel_factory.generator.timing import capture_graph
 from kernel_factory.optimizers import Adam, AdamW
 from kernel_factory.optimizers.adamw.plan import TritonMultiTensor, TritonSingleTensor
 from kernel_factory.optimizers.parity import compare_tensors, parity_check
@@ -125,7 +126,7 @@ def test_cuda_graph_capture_and_replay_with_tensor_lr_schedule():
         p.grad = g
     for g in static_grads:
         g.normal_()
-    graph = warm_up_and_capture(opt.step, warm_ups=1)  # state init, compile, tables
+    graph = capture_graph(opt.step)  # state init, compile, tables
     for q, g in zip(ref_model.parameters(), static_grads, strict=True):
         q.grad = g.clone()
     ref.step()

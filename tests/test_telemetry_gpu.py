@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from mini_models import OPTIMIZERS, gqa_model, no_decay_optimizer
-from twin_training import warm_up_and_capture
+
+from kernel_factory.generator.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +18,7 @@ def test_graph_replays_keep_counting(name):
     opt.telemetry.time_steps = True
     for p in model.params:
         p.grad = torch.randn_like(p)  # static grads: the graph reads them in place
-    graph = warm_up_and_capture(opt.step, warm_ups=2)
+    graph = capture_graph(opt.step, warmups=2)
     for _ in range(3):
         before = [p.detach().clone() for p in model.params]
         graph.replay()

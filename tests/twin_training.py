@@ -52,18 +52,3 @@ def check_scaler_parity(model, device: str, tol: float, steps: int = 4, inf_at: 
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q) if tol == 0 else compare_tensors("p", "param", p, q, tol).passed
         assert float(ours.state[p]["step"]) == steps - 1
-
-
-def warm_up_and_capture(step, warm_ups: int = 2) -> torch.cuda.CUDAGraph:
-    """Run ``step()`` ``warm_ups`` times on a side stream (plans, state and compilation happen in
-    eager steps), then capture one call into a CUDA graph, which is returned unreplayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warm_ups):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
