@@ -21,6 +21,7 @@ from kernel_factory.generator import backend_mode
 
 from ..shared.buckets import kernel_path, warn_once
 from ..shared.checks import check_adam_hyperparameters, check_param_grad, checked_grads, evaluate_closure
+from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
@@ -184,12 +185,7 @@ class AdamMini(torch.optim.Optimizer):
         """torch's loader, then every state tensor back in its saved dtype (torch casts floating
         state to the parameter dtype, which would turn FP8 momentum and fp32 scales into bf16)."""
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, saved in state_dict["state"].items():
-            p = params[index]
-            for key, value in saved.items():
-                if isinstance(value, Tensor):
-                    self.state[p][key] = value.to(p.device, copy=True).contiguous()
+        own_loaded_state(self, state_dict, lambda p, key, saved: True)
         self._plans = {}  # the plans' pointer tables point at the replaced tensors
 
     def _path(self, p: Tensor) -> str:

@@ -21,6 +21,7 @@ from ..shared.checks import (
     evaluate_closure,
     resolve_state_dtype,
 )
+from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from .plan import AdamGroupPlan, group_plan
 
@@ -95,17 +96,13 @@ class Adam(torch.optim.Optimizer):
         self.telemetry = Telemetry(TELEMETRY)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader, then: keep fp32 moments where ``state_dtype='fp32'`` (torch casts
-        state to the parameter dtype), and rebuild launch plans on the next step."""
+        """torch's loader (which also takes DCP's name-keyed state dicts); the state becomes this
+        optimizer's own copy, with fp32 moments kept where ``state_dtype='fp32'`` (torch casts
+        state to the parameter dtype); launch plans are rebuilt on the next step."""
         super().load_state_dict(state_dict)
-        params = [(p, g) for g in self.param_groups for p in g["params"]]
-        for index, saved in state_dict["state"].items():
-            p, group = params[index]
-            if group.get("state_dtype") != "fp32":
-                continue
-            for key in _STATE_KEYS:
-                if key in saved and saved[key].dtype == torch.float32:
-                    self.state[p][key] = saved[key].to(p.device, copy=True)
+        fp32_state = {id(p) for g in self.param_groups if g.get("state_dtype") == "fp32" for p in g["params"]}
+        own_loaded_state(self, state_dict, lambda p, key, saved: id(p) in fp32_state and key in _STATE_KEYS
+                         and saved.dtype == torch.float32)  # fmt: skip
         self._plans = {}
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..shared.checks import check_adam_hyperparameters, check_lr, evaluate_closure
+from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import GroupPlan, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
 from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule
@@ -146,8 +147,11 @@ class Muon(torch.optim.Optimizer):
         self.telemetry = Telemetry(AMAX_UPDATE)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader; AdamW launch plans are rebuilt on the next step."""
+        """torch's loader (which also takes DCP's name-keyed state dicts, and casts the momentum to
+        the parameter's dtype); the state becomes this optimizer's own copy; launch plans are
+        rebuilt on the next step."""
         super().load_state_dict(state_dict)
+        own_loaded_state(self, state_dict, lambda p, key, saved: False)
         self._plans = {}
 
     @torch.no_grad()
