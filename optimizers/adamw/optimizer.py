@@ -73,13 +73,16 @@ class Adam(torch.optim.Optimizer):
         check_implementation_flags(
             foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable
         )
-        state_dtype = "fp32" if resolve_state_dtype(state_dtype) is not None else None
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=decoupled_weight_decay, state_dtype=state_dtype,
+            decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
+        # Groups carry torch.optim.AdamW's keys only, unless fp32 state is asked for: DCP's loads
+        # are strict about missing keys, so a torch checkpoint loads into a group with no extra key.
+        if resolve_state_dtype(state_dtype) is not None:
+            defaults["state_dtype"] = "fp32"
         super().__init__(params, defaults)
         self._plans: dict[int, AdamGroupPlan] = {}
         self.telemetry = Telemetry(TELEMETRY)
@@ -89,8 +92,7 @@ class Adam(torch.optim.Optimizer):
         for group in self.param_groups:
             for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None),
                                ("capturable", False), ("differentiable", False), ("fused", None),
-                               ("decoupled_weight_decay", isinstance(self, AdamW)),
-                               ("state_dtype", None)):  # fmt: skip
+                               ("decoupled_weight_decay", isinstance(self, AdamW))):  # fmt: skip
                 group.setdefault(key, value)
         self._plans = {}
         self.telemetry = Telemetry(TELEMETRY)

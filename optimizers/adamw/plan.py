@@ -39,6 +39,7 @@ from ..shared.buckets import (
     share_step_counts,
 )
 from ..shared.checks import checked_grads
+from ..shared.dtensor import local
 from ..shared.grad_table import GradTable
 from ..shared.steppers import register_group_stepper
 from .reference import adam_reference_step
@@ -67,14 +68,16 @@ class Hyper:
 
 
 class Bucket:
-    """Tensors of one group that run the same way on one device: params and their state."""
+    """Tensors of one group that run the same way on one device: params and their state, as the
+    kernels take them (local shards of DTensors)."""
 
     def __init__(self, params: list[Tensor], states: list[dict], amsgrad: bool) -> None:
-        self.params = params
-        self.device = params[0].device
-        self.exp_avgs = [s["exp_avg"] for s in states]
-        self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        self.max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if amsgrad else []
+        self.sources = params  # the optimizer's params, whose .grad the step reads
+        self.params = [local(p) for p in params]
+        self.device = self.params[0].device
+        self.exp_avgs = [local(s["exp_avg"]) for s in states]
+        self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
+        self.max_exp_avg_sqs = [local(s["max_exp_avg_sq"]) for s in states] if amsgrad else []
         self.steps = share_step_counts(states, self.device)
         self._states = states
         self._last: tuple[Hyper, float | Tensor] | None = None  # the last step's hyperparameters and lr
@@ -83,7 +86,7 @@ class Bucket:
         return [s["step"] for s in self._states]
 
     def grads(self) -> list[Tensor]:
-        return checked_grads(self.params)
+        return checked_grads(self.sources)
 
     def run(self, h: Hyper, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         raise NotImplementedError
@@ -225,7 +228,7 @@ class TritonMultiTensor(TritonBucket):
 
     def run(self, h, grad_scale, found_inf):
         # Grads are validated when their addresses change (a new grad tensor), not every step.
-        grad_table = self._grads.update(self.params, self.grads)
+        grad_table = self._grads.update(self.sources, self.grads)
         kernel = self.kernel(grad_scale is not None or found_inf is not None)
         gs, fi = self.scaler_args(grad_scale, found_inf)
         kernel[(self.n_work,)](
@@ -247,15 +250,18 @@ def _bucket_kind(p: Tensor, state_dtype: torch.dtype, mode: str) -> type[Bucket]
 
 
 def _init_state(p: Tensor, state: dict, amsgrad: bool, state_dtype: torch.dtype) -> None:
-    """Lazily create (or, after a checkpoint load, normalise) one parameter's state."""
+    """Lazily create (or, after a checkpoint load, normalise) one parameter's state: tensors like
+    the param (DTensors with its placements for a DTensor param)."""
     if "step" not in state:
         state["step"] = torch.zeros((), dtype=torch.float32)
     keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
     for key in keys:
         t = state.get(key)
+        shard = local(t) if t is not None else None
         if t is None:
             state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
-        elif t.dtype != state_dtype or t.device != p.device or not t.is_contiguous() or t.data_ptr() % 16:
+        elif (t.dtype != state_dtype or shard.device != local(p).device or not shard.is_contiguous()
+              or shard.data_ptr() % 16):  # fmt: skip
             # A loaded checkpoint may hold views into shared storage: the kernels need
             # contiguous, 16-byte aligned state of the expected dtype on the param's device.
             state[key] = t.to(device=p.device, dtype=state_dtype, memory_format=torch.contiguous_format, copy=True)
@@ -275,7 +281,8 @@ class AdamGroupPlan:
         for p in params:
             sd = torch.float32 if fp32_state and p.dtype in TRITON_DTYPES else p.dtype
             _init_state(p, state[p], amsgrad, sd)
-            kinds.setdefault((_bucket_kind(p, sd, mode), p.device, p.dtype, sd), []).append(p)
+            shard = local(p)
+            kinds.setdefault((_bucket_kind(shard, sd, mode), shard.device, p.dtype, sd), []).append(p)
         self.buckets: list[Bucket] = []
         for (kind, _, _, sd), ps in kinds.items():
             states = [state[p] for p in ps]

@@ -30,7 +30,7 @@ ADAMW_NAMES = ("embed", "embd", "wte", "wpe", "lm_head")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # Keys the AdamW stepper reads from a group (adamw/plan.py, looked up by name in the stepper table),
 # fixed for Muon's AdamW groups.
-_ADAMW_FIXED = dict(amsgrad=False, maximize=False, decoupled_weight_decay=True, state_dtype=None)
+_ADAMW_FIXED = dict(amsgrad=False, maximize=False, decoupled_weight_decay=True)
 
 
 def uses_muon(name: str | None, p: Tensor, adamw_names: Iterable[str] = ADAMW_NAMES) -> bool:

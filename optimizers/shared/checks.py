@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .dtensor import local
+
 _STATE_DTYPES = {
     None: None,
     "fp32": torch.float32,
@@ -103,8 +105,9 @@ def evaluate_closure(closure):
 
 
 def checked_grads(params: list[Tensor]) -> list[Tensor]:
-    """The grads of ``params``, each checked by ``check_param_grad`` (index, shape, dtype, device,
-    sparse, complex)."""
-    for i, p in enumerate(params):
-        check_param_grad(i, p, p.grad)
-    return [p.grad for p in params]
+    """The grads of ``params`` (their local shards for DTensors), each checked against its
+    parameter's by ``check_param_grad`` (index, shape, dtype, device, sparse, complex)."""
+    grads = [local(p.grad) for p in params]
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        check_param_grad(i, local(p), g)
+    return grads

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .dtensor import local
+
 
 class GradTable:
     """int64 addresses of one bucket's gradients on ``device``. Autograd usually reuses grad
@@ -23,9 +25,9 @@ class GradTable:
         self._keep: list[Tensor] = []
 
     def update(self, params: list[Tensor], checked_grads: Callable[[], list[Tensor]]) -> Tensor:
-        """The table for the grads of ``params``; ``checked_grads()`` returns them validated
-        (called only when an address changed)."""
-        ptrs = [p.grad.data_ptr() for p in params]
+        """The table for the grads of ``params`` (their local shards for DTensors); ``checked_grads()``
+        returns them validated (called only when an address changed)."""
+        ptrs = [local(p.grad).data_ptr() for p in params]
         if ptrs == self._ptrs:
             return self.table
         if torch.cuda.is_current_stream_capturing():

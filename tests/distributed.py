@@ -1,0 +1,47 @@
+"""Multi-process tests on one machine: ranks over Gloo on CPU (or CUDA tensors on one GPU).
+
+``run_ranks(world, fn, *args)`` spawns ``world`` processes, each calling ``fn(rank, world,
+*args)`` with a Gloo process group up; ``fn`` must be a module-level function. A rank that
+raises prints its traceback and exits with 1, which fails the call here. Every rank ends with a
+barrier, ``destroy_process_group`` and ``os._exit``: without them Gloo can abort at exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    code = 0
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        traceback.print_exc()
+        sys.stderr.flush()
+        code = 1
+    if code == 0:
+        dist.destroy_process_group()
+    os._exit(code)
+
+
+def run_ranks(world: int, fn, *args) -> None:
+    """``fn(rank, world, *args)`` on ``world`` Gloo ranks; raises if any rank failed."""
+    mp.spawn(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, join=True)

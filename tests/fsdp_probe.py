@@ -1,0 +1,88 @@
+"""The FSDP2 probe of the distributed tests: a model whose gradients are exact at any world size,
+its steps under ``fully_shard`` and in one process, and their comparison (run on each rank).
+
+The probe model's loss is Σ (p · target).sum(), so each parameter's gradient is its rank's
+target; targets are means of samples randint(-1024, 1024) / 1024, split over the ranks, so every
+sum and mean of them is exact and the averaged gradient is bitwise the same at 1, 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from kernel_factory.optimizers import Adam, AdamW
+from kernel_factory.optimizers.parity import compare_tensors
+from kernel_factory.optimizers.shared.dtensor import local
+
+# Rows split unevenly; (1, 7) and (2, 2, 3) leave empty shards on tail ranks; a tall matrix; 1-D.
+SHAPES = [(5, 3), (1, 7), (16, 4), (9,), (2, 2, 3)]
+SAMPLES = 4  # per step, split over the ranks
+OPTIMIZERS = {
+    "AdamW": lambda params: AdamW(params, lr=1e-2, weight_decay=0.1),
+    "Adam-amsgrad": lambda params: Adam(params, lr=1e-2, weight_decay=0.1, amsgrad=True),
+}
+
+
+class Probe(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES)
+
+    def forward(self, targets: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * t).sum() for p, t in zip(self.params, targets, strict=True))
+
+
+def targets(step: int, rank: int, world: int, device: str = "cpu") -> list[torch.Tensor]:
+    """Rank ``rank``'s mean of its share of the step's samples, per parameter."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    samples = [[torch.randint(-1024, 1024, s, generator=gen) / 1024 for s in SHAPES] for _ in range(SAMPLES)]
+    mine = samples[rank::world]
+    return [(sum(parts) / len(mine)).to(device) for parts in zip(*mine, strict=True)]
+
+
+def sharded(world: int, build, device: str = "cpu") -> tuple[Probe, torch.optim.Optimizer]:
+    model = Probe().to(device)
+    fully_shard(model, mesh=init_device_mesh(device, (world,)))
+    return model, build(model.parameters())
+
+
+def fsdp_step(model, opt, step: int, rank: int, world: int) -> None:
+    model(targets(step, rank, world, next(model.parameters()).device.type)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def one_process(build, steps: int, device: str = "cpu") -> tuple[Probe, torch.optim.Optimizer]:
+    """The reference: the same steps in one process on the averaged gradients."""
+    model = Probe().to(device)
+    opt = build(model.parameters())
+    for step in range(steps):
+        for p, g in zip(model.params, targets(step, 0, 1, device), strict=True):
+            p.grad = g
+        opt.step()
+    return model, opt
+
+
+def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu") -> None:
+    """4 steps at ``world`` ranks against one process: bitwise where ``tol`` is 0, else normwise."""
+    os.environ["KERNEL_FACTORY_BACKEND"] = backend
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every rank on the one GPU, over Gloo (NCCL refuses that)
+    same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a, b, tol).passed)
+    for name, build in OPTIMIZERS.items():
+        model, opt = sharded(world, build, device)
+        for step in range(4):
+            fsdp_step(model, opt, step, rank, world)
+        ref, ref_opt = one_process(build, 4, device)
+        for i, (p, q) in enumerate(zip(model.params, ref.params, strict=True)):
+            assert same(p.full_tensor(), q), (name, i)
+            for key, value in ref_opt.state[q].items():
+                ours = opt.state[p][key]
+                assert same(ours.full_tensor() if key != "step" else ours, value), (name, i, key)
+        if rank == world - 1:  # the tail rank holds empty shards, kept in the state and stepped
+            assert local(model.params[1]).numel() == 0 and float(opt.state[model.params[1]]["step"]) == 4
