@@ -21,6 +21,7 @@ from fsdp_probe import OPTIMIZERS, equal_to_one_process, fsdp_step, sharded
 from tolerances import drift_tol
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from kernel_factory.optimizers import AdamMini, Muon
 from kernel_factory.optimizers.shared.dtensor import local
 
 
@@ -90,3 +91,18 @@ def _checkpoints_move_between_torch_adamw_and_ours(rank: int, world: int, path: 
 
 def test_checkpoints_move_between_torch_adamw_and_ours_under_fsdp2(tmp_path):
     run_ranks(2, _checkpoints_move_between_torch_adamw_and_ours, str(tmp_path))
+
+
+def _refused(rank: int, world: int) -> None:
+    for build in (lambda m: AdamMini(m.named_parameters(), dim=4, n_heads=1), lambda m: Muon(m.parameters())):
+        model, _ = sharded(world, lambda params: None)
+        try:
+            build(model)
+        except TypeError as e:
+            assert "does not take DTensor parameters" in str(e)
+        else:
+            raise AssertionError("a sharded model was taken")
+
+
+def test_optimizers_without_sharded_support_refuse_dtensor_params():
+    run_ranks(2, _refused)

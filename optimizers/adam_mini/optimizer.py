@@ -21,6 +21,7 @@ from kernel_factory.generator import backend_mode
 
 from ..shared.buckets import kernel_path, warn_once
 from ..shared.checks import check_adam_hyperparameters, check_param_grad, checked_grads, evaluate_closure
+from ..shared.dtensor import refuse_dtensors
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
@@ -136,6 +137,7 @@ class AdamMini(torch.optim.Optimizer):
             split_groups += [dict(extra, params=no_decay, weight_decay=0.0)] if no_decay else []
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(split_groups, defaults)
+        refuse_dtensors([p for g in self.param_groups for p in g["params"]], "AdamMini")
         for g in self.param_groups:
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self.telemetry = Telemetry(TELEMETRY)

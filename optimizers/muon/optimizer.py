@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..shared.checks import check_adam_hyperparameters, check_lr, evaluate_closure
+from ..shared.dtensor import refuse_dtensors
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import GroupPlan, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
@@ -98,6 +99,7 @@ class Muon(torch.optim.Optimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True)  # fmt: skip
         super().__init__(self._split_groups(params), defaults)
+        refuse_dtensors([p for g in self.param_groups for p in g["params"]], "Muon")
         self._plans: dict[int, GroupPlan] = {}  # by group index
         self.telemetry = Telemetry(AMAX_UPDATE)
 
