@@ -17,11 +17,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from distributed import run_ranks
-from fsdp_probe import OPTIMIZERS, equal_to_one_process, fsdp_step, sharded
+from fsdp_probe import OPTIMIZERS, Probe, equal_to_one_process, fsdp_step, sharded, targets
 from tolerances import drift_tol
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-from kernel_factory.optimizers import AdamMini, Muon
+from kernel_factory.optimizers import AdamMini, AdamW, Muon
 from kernel_factory.optimizers.shared.dtensor import local
 
 
@@ -106,3 +108,20 @@ def _refused(rank: int, world: int) -> None:
 
 def test_optimizers_without_sharded_support_refuse_dtensor_params():
     run_ranks(2, _refused)
+
+
+def _built_before_fully_shard(rank: int, world: int) -> None:
+    model = Probe()
+    opt = AdamW(model.parameters())
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    model(targets(0, rank, world)).backward()  # the new DTensor params get the grads
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "was replaced by fully_shard (FSDP2); build the optimizer after" in str(e), e
+    else:
+        raise AssertionError("an optimizer over the replaced parameters stepped")
+
+
+def test_an_optimizer_built_before_fully_shard_refuses_to_step():
+    run_ranks(2, _built_before_fully_shard)

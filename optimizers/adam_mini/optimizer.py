@@ -20,7 +20,13 @@ from torch import Tensor
 from kernel_factory.generator import backend_mode
 
 from ..shared.buckets import kernel_path, warn_once
-from ..shared.checks import check_adam_hyperparameters, check_param_grad, checked_grads, evaluate_closure
+from ..shared.checks import (
+    check_adam_hyperparameters,
+    check_param_grad,
+    check_params_once,
+    checked_grads,
+    evaluate_closure,
+)
 from ..shared.dtensor import refuse_dtensors
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
@@ -142,6 +148,10 @@ class AdamMini(torch.optim.Optimizer):
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self.telemetry = Telemetry(TELEMETRY)
         self._plans: dict[int, tuple] = {}
+        for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
+            for p in g["params"]:
+                if p.requires_grad and not p.is_meta:
+                    self._init_state(p, self._parts[id(p)])
         unmatched = self.partition.unmatched()
         if unmatched:
             warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "
@@ -221,6 +231,7 @@ class AdamMini(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):
         """One Adam-mini update of every parameter that has a grad. Returns ``closure()``'s loss."""
         loss = evaluate_closure(closure)
+        check_params_once(self)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         with self.telemetry.step(first.device if first is not None else None):
             for index, group in enumerate(self.param_groups):

@@ -18,12 +18,13 @@ from torch import Tensor
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_implementation_flags,
+    check_params_once,
     evaluate_closure,
     resolve_state_dtype,
 )
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
-from .plan import AdamGroupPlan, group_plan
+from .plan import AdamGroupPlan, group_plan, init_group_state
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 TELEMETRY = {**AMAX_UPDATE, SKIPPED_STEPS: TOTAL}
@@ -97,6 +98,11 @@ class Adam(torch.optim.Optimizer):
         self._plans = {}
         self.telemetry = Telemetry(TELEMETRY)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the new params' state is created (``init_group_state``)."""
+        super().add_param_group(param_group)
+        init_group_state(self.param_groups[-1], self.state)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader (which also takes DCP's name-keyed state dicts); the state becomes this
         optimizer's own copy, with fp32 moments kept where ``state_dtype='fp32'`` (torch casts
@@ -111,6 +117,7 @@ class Adam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):
         """One fused update of every parameter that has a grad. Returns ``closure()``'s loss."""
         loss = evaluate_closure(closure)
+        check_params_once(self)
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:

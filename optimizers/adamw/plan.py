@@ -267,6 +267,20 @@ def _init_state(p: Tensor, state: dict, amsgrad: bool, state_dtype: torch.dtype)
             state[key] = t.to(device=p.device, dtype=state_dtype, memory_format=torch.contiguous_format, copy=True)
 
 
+def _state_dtype(p: Tensor, group: dict) -> torch.dtype:
+    """fp32 for bf16/fp16 params when the group asks for fp32 state, else the param's dtype."""
+    return torch.float32 if group.get("state_dtype") == "fp32" and p.dtype in TRITON_DTYPES else p.dtype
+
+
+def init_group_state(group: dict, state: dict) -> None:
+    """Create the state of each parameter of ``group`` that can be stepped (requires grad, not on
+    the meta device) now, not on its first step: DCP's ``get_optimizer_state_dict`` on an optimizer
+    without state runs a fake step to make some."""
+    for p in group["params"]:
+        if p.requires_grad and not p.is_meta:
+            _init_state(p, state[p], bool(group["amsgrad"]), _state_dtype(p, group))
+
+
 class AdamGroupPlan:
     """How one param group steps: its buckets, built from the params that have grads."""
 
@@ -276,10 +290,9 @@ class AdamGroupPlan:
         self.key = key
         mode = backend or backend_mode()
         amsgrad = bool(group["amsgrad"])
-        fp32_state = group.get("state_dtype") == "fp32"
         kinds: dict[tuple, list[Tensor]] = {}
         for p in params:
-            sd = torch.float32 if fp32_state and p.dtype in TRITON_DTYPES else p.dtype
+            sd = _state_dtype(p, group)
             _init_state(p, state[p], amsgrad, sd)
             shard = local(p)
             kinds.setdefault((_bucket_kind(shard, sd, mode), shard.device, p.dtype, sd), []).append(p)
@@ -321,4 +334,4 @@ def group_plan(plans: dict[int, AdamGroupPlan], index: int, params: list[Tensor]
     return plan
 
 
-register_group_stepper("adamw", group_plan)
+register_group_stepper("adamw", group_plan, init_group_state)

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from ..shared.checks import check_adam_hyperparameters, check_lr, evaluate_closure
+from ..shared.checks import check_adam_hyperparameters, check_lr, check_params_once, evaluate_closure
 from ..shared.dtensor import refuse_dtensors
 from ..shared.state_dict import own_loaded_state
-from ..shared.steppers import GroupPlan, group_stepper
+from ..shared.steppers import GroupPlan, group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
 from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule
-from .plan import muon_group_plan
+from .plan import init_muon_group_state, muon_group_plan
 
 ADAMW_NAMES = ("embed", "embd", "wte", "wpe", "lm_head")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -148,6 +148,12 @@ class Muon(torch.optim.Optimizer):
         self._plans = {}
         self.telemetry = Telemetry(AMAX_UPDATE)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the new params' state is created (momentum buffers, or AdamW's moments)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        (init_muon_group_state if group["use_muon"] else group_state_init("adamw"))(group, self.state)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader (which also takes DCP's name-keyed state dicts, and casts the momentum to
         the parameter's dtype); the state becomes this optimizer's own copy; launch plans are
@@ -160,6 +166,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):
         """One Muon/AdamW update of every parameter with a grad. Returns ``closure()``'s loss."""
         loss = evaluate_closure(closure)
+        check_params_once(self)
         with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
             for index, group in enumerate(self.param_groups):
                 params = [p for p in group["params"] if p.grad is not None]

@@ -241,6 +241,14 @@ def _init_momentum_buffer(p: Tensor, state: dict) -> None:
         state["momentum_buffer"] = buf.to(p.device, p.dtype, memory_format=torch.contiguous_format, copy=True)
 
 
+def init_muon_group_state(group: dict, state: dict) -> None:
+    """Create the momentum buffers of a Muon group's parameters up front (those that require grad,
+    are not empty and not on the meta device)."""
+    for p in group["params"]:
+        if p.requires_grad and p.numel() and not p.is_meta:
+            _init_momentum_buffer(p, state[p])
+
+
 class MuonGroupPlan:
     """The batches of one Muon param group, built from the params that have grads."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dtensor import local
+from .dtensor import DTensor, local
 
 _STATE_DTYPES = {
     None: None,
@@ -94,6 +94,32 @@ def check_param_grad(index: int, p: Tensor, g: Tensor) -> None:
         raise TypeError(f"{where}: grad dtype {g.dtype} does not match the parameter dtype")
     if g.device != p.device:
         raise ValueError(f"{where}: grad is on {g.device}, the parameter on {p.device}")
+    if p.is_meta:
+        raise RuntimeError(f"{where} is on the meta device: materialize the model before stepping")
+
+
+def check_params_once(optimizer: torch.optim.Optimizer) -> None:
+    """``check_params_are_live`` on an optimizer's first step, and again after ``add_param_group``."""
+    groups = len(optimizer.param_groups)
+    if getattr(optimizer, "_groups_checked", 0) != groups:
+        check_params_are_live(optimizer.param_groups, type(optimizer).__name__)
+        optimizer._groups_checked = groups
+
+
+def check_params_are_live(param_groups: list[dict], optimizer: str) -> None:
+    """RuntimeError naming the first parameter the model no longer uses, so that it would never get
+    a gradient and the step would silently skip it: a meta-device parameter (``to_empty`` and
+    ``load_state_dict(assign=True)`` replace them), or one that ``fully_shard`` replaced with a
+    DTensor parameter (FSDP2 tags the originals with ``_fsdp_orig_uid``). Call on the first step."""
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            where = f"{optimizer}: parameter {i} of param group {gi} (shape {tuple(p.shape)})"
+            if p.is_meta:
+                raise RuntimeError(f"{where} is on the meta device; build the optimizer after the model is "
+                                   "materialized (to_empty and initialization replace meta parameters)")  # fmt: skip
+            if hasattr(p, "_fsdp_orig_uid") and not isinstance(p, DTensor):
+                raise RuntimeError(f"{where} was replaced by fully_shard (FSDP2); build the optimizer after "
+                                   "fully_shard(model), from model.parameters()")  # fmt: skip
 
 
 def evaluate_closure(closure):

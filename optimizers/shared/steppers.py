@@ -9,6 +9,8 @@ A stepper is ``stepper(plans, index, params, state, group) -> plan``: the cached
 param group ``index`` (``plans`` maps group indices to plans; the stepper rebuilds the entry when
 the params with grads change), whose ``plan.run(group, grad_scale, found_inf)`` steps it and
 ``plan.update_amax()`` returns the last step's largest |update| (0-d tensor, computed when called).
+A family registers with it ``init_state(group, state)``, which creates the state of the group's
+parameters up front (optimizers create state eagerly: DCP fakes a step on one that has none).
 """
 
 from __future__ import annotations
@@ -26,17 +28,28 @@ class GroupPlan(Protocol):
 
 
 GroupStepper = Callable[[dict, int, list[Tensor], dict, dict], GroupPlan]
-_STEPPERS: dict[str, GroupStepper] = {}
+StateInit = Callable[[dict, dict], None]
+_STEPPERS: dict[str, tuple[GroupStepper, StateInit]] = {}
 
 
-def register_group_stepper(family: str, stepper: GroupStepper) -> None:
-    """Make ``stepper`` the way to step a param group of ``family``."""
-    _STEPPERS[family] = stepper
+def register_group_stepper(family: str, stepper: GroupStepper, init_state: StateInit) -> None:
+    """Make ``stepper`` the way to step a param group of ``family``, and ``init_state`` the way to
+    create its state."""
+    _STEPPERS[family] = (stepper, init_state)
 
 
-def group_stepper(family: str) -> GroupStepper:
-    """The registered stepper of ``family``; KeyError naming the registered ones if it has none."""
+def _registered(family: str) -> tuple[GroupStepper, StateInit]:
     try:
         return _STEPPERS[family]
     except KeyError:
         raise KeyError(f"no group stepper registered for {family!r}; registered: {sorted(_STEPPERS)}") from None
+
+
+def group_stepper(family: str) -> GroupStepper:
+    """The registered stepper of ``family``; KeyError naming the registered ones if it has none."""
+    return _registered(family)[0]
+
+
+def group_state_init(family: str) -> StateInit:
+    """The registered ``init_state(group, state)`` of ``family`` (KeyError as ``group_stepper``)."""
+    return _registered(family)[1]

@@ -1,0 +1,65 @@
+"""When state exists and which parameters an optimizer may step: state is created with the
+optimizer (DCP's ``get_optimizer_state_dict`` fakes a step on one without state), and a step on
+parameters the model no longer uses (left on the meta device, or replaced by ``fully_shard``)
+raises instead of silently doing nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mini_models import OPTIMIZERS, gqa_model, no_decay_optimizer
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from kernel_factory.optimizers import AdamW, Muon
+from kernel_factory.optimizers.shared.workloads import ShapeModel
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_exists_before_the_first_step_and_dcp_reads_it_without_stepping(name):
+    model = gqa_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = no_decay_optimizer(name, model)
+    assert set(opt.state) == set(model.parameters())
+    assert all(float(s["step"]) == 0 for s in opt.state.values() if "step" in s)
+    saved = get_optimizer_state_dict(model, opt)
+    assert len(saved["state"]) == len(before)
+    assert all(p.grad is None for p in model.parameters())  # no fake step ran
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_frozen_parameters_get_no_state_and_added_groups_do():
+    model = gqa_model()
+    frozen, *rest = model.parameters()
+    frozen.requires_grad_(False)
+    opt = AdamW(rest[:3], amsgrad=True)
+    opt.add_param_group({"params": rest[3:]})
+    assert set(opt.state) == set(rest)
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"} for s in opt.state.values())
+    opt.add_param_group({"params": [frozen]})
+    assert frozen not in opt.state
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_optimizer_over_meta_parameters_refuses_to_step_after_the_model_is_materialized(name):
+    model = gqa_model(device="meta")
+    opt = no_decay_optimizer(name, model)
+    assert not opt.state  # nothing to allocate for meta parameters
+    model.to_empty(device="cpu")  # replaces the meta Parameters with new ones
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="is on the meta device; build the optimizer after"):
+        opt.step()
+
+
+def test_a_meta_parameter_with_a_grad_is_named():
+    p = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    p.grad = torch.empty_like(p)
+    with pytest.raises(RuntimeError, match="parameter 0 of param group 0 .* meta device"):
+        Muon([p]).step()
+
+
+def test_state_of_a_muon_model_is_split_between_its_families():
+    model = ShapeModel([("embed.weight", (10, 4)), ("layers.0.w", (4, 4)), ("norm.weight", (4,))])
+    opt = Muon(model.named())
+    keys = [set(opt.state[p]) for p in model.parameters()]
+    assert keys == [{"step", "exp_avg", "exp_avg_sq"}, {"momentum_buffer"}, {"step", "exp_avg", "exp_avg_sq"}]
