@@ -5,8 +5,8 @@ share, ``parity`` for the parity tools and ``tune`` for the tuning command line.
 """
 
 from .adam_mini import AdamMini, ModelShape, NameRules, ReferenceAdamMini, format_table
-from .adamw import Adam, AdamW, ReferenceAdam, ReferenceAdamW
+from .adamw import Adam, AdamW, DistributedAdamW, ReferenceAdam, ReferenceAdamW
 from .muon import Muon, fast_newton_schulz
 
-__all__ = ["Adam", "AdamMini", "AdamW", "ModelShape", "Muon", "NameRules", "ReferenceAdam", "ReferenceAdamMini",
+__all__ = ["Adam", "AdamMini", "AdamW", "DistributedAdamW", "ModelShape", "Muon", "NameRules", "ReferenceAdam", "ReferenceAdamMini",
            "ReferenceAdamW", "fast_newton_schulz", "format_table"]

@@ -1,0 +1,54 @@
+"""``DistributedAdamW`` on the probe model (``fsdp_probe``), run on each rank: its steps against
+one process's AdamW on the averaged gradients, with and without gradient accumulation."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from fsdp_probe import Probe, shard_of, targets
+
+from kernel_factory.optimizers import AdamW, DistributedAdamW
+
+HYPER = dict(lr=1e-2, weight_decay=0.1)
+TINY_BUCKETS = 1e-4  # MiB: a few parameters per bucket, so that several reduce-scatters go out
+
+
+def _device_setup(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every rank on the one GPU, over Gloo
+
+
+def micro_targets(step: int, micro: int, rank: int, world: int, device: str) -> list[torch.Tensor]:
+    return targets(step * 8 + micro, rank, world, device)
+
+
+def zero_equal_to_one_process(rank: int, world: int, backend: str, device: str = "cpu", micro: int = 1) -> None:
+    """4 steps of ``micro`` backward passes each (all but the last inside ``no_sync``): parameters
+    and state shards bitwise those of one process on the averaged summed gradients."""
+    os.environ["KERNEL_FACTORY_BACKEND"] = backend
+    _device_setup(device)
+    model = Probe().to(device)
+    opt = DistributedAdamW(model.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER)
+    assert len(opt._grads.buckets) > 1
+    ref = Probe().to(device)
+    ref_opt = AdamW(ref.parameters(), **HYPER)
+    for step in range(4):
+        for m in range(micro):
+            if m < micro - 1:
+                with opt.no_sync():
+                    model(micro_targets(step, m, rank, world, device)).backward()
+            else:
+                model(micro_targets(step, m, rank, world, device)).backward()
+            assert all(p.grad is None for p in model.parameters()) == (m == micro - 1)
+        opt.step()
+        opt.zero_grad()
+        for i, p in enumerate(ref.params):
+            p.grad = sum(micro_targets(step, m, 0, 1, device)[i] for m in range(micro))
+        ref_opt.step()
+    for i, (p, q) in enumerate(zip(model.params, ref.params, strict=True)):
+        assert torch.equal(p, q), i
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            ours, theirs = opt.state[p][key], ref_opt.state[q][key]
+            ours = ours.to_local() if key != "step" else ours
+            assert torch.equal(ours, theirs if key == "step" else shard_of(theirs, rank, world)), (i, key)
