@@ -7,6 +7,7 @@ share, ``parity`` for the parity tools and ``tune`` for the tuning command line.
 from .adam_mini import AdamMini, ModelShape, NameRules, ReferenceAdamMini, format_table
 from .adamw import Adam, AdamW, DistributedAdamW, ReferenceAdam, ReferenceAdamW
 from .muon import Muon, fast_newton_schulz
+from .shared.clip_grad import clip_grad_norm_
 
-__all__ = ["Adam", "AdamMini", "AdamW", "DistributedAdamW", "ModelShape", "Muon", "NameRules", "ReferenceAdam", "ReferenceAdamMini",
-           "ReferenceAdamW", "fast_newton_schulz", "format_table"]
+__all__ = ["Adam", "AdamMini", "AdamW", "DistributedAdamW", "ModelShape", "Muon", "NameRules", "ReferenceAdam",
+           "ReferenceAdamMini", "ReferenceAdamW", "clip_grad_norm_", "fast_newton_schulz", "format_table"]

@@ -54,6 +54,11 @@ class GradBucket:
         self.ready.add(id(p))
         self.got.add(id(p))
 
+    @property
+    def full(self) -> bool:
+        """Whether every parameter's gradient is in this round's send buffer."""
+        return len(self.ready) == len(self.params)
+
     def launch(self, group) -> None:
         """Reduce-scatter this round's gradients (missing ones as zeros), asynchronously. The first
         round of an iteration reduces into ``reduced``; later ones (gradient accumulation without
@@ -108,7 +113,7 @@ class ZeroGrads:
         bucket, shard = self._bucket_of[id(p)]
         bucket.write(p, shard)
         p.grad = None  # ZeRO-2: the full gradient is freed once it is in the bucket
-        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
             self.buckets[self._next].launch(self.group)
             self._next += 1
         if self._next == len(self.buckets):
