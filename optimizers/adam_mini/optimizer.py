@@ -26,6 +26,7 @@ from ..shared.checks import (
     check_params_once,
     checked_grads,
     evaluate_closure,
+    warn_if_nothing_stepped,
 )
 from ..shared.dtensor import refuse_dtensors
 from ..shared.state_dict import own_loaded_state
@@ -232,6 +233,7 @@ class AdamMini(torch.optim.Optimizer):
         """One Adam-mini update of every parameter that has a grad. Returns ``closure()``'s loss."""
         loss = evaluate_closure(closure)
         check_params_once(self)
+        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
         first = next((p for g in self.param_groups for p in g["params"]), None)
         with self.telemetry.step(first.device if first is not None else None):
             for index, group in enumerate(self.param_groups):

@@ -21,6 +21,7 @@ from ..shared.checks import (
     check_params_once,
     evaluate_closure,
     resolve_state_dtype,
+    warn_if_nothing_stepped,
 )
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
@@ -120,6 +121,7 @@ class Adam(torch.optim.Optimizer):
         check_params_once(self)
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
+        stepped = False
         with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
             for index, group in enumerate(self.param_groups):
                 params = [p for p in group["params"] if p.grad is not None]
@@ -128,6 +130,8 @@ class Adam(torch.optim.Optimizer):
                 plan = group_plan(self._plans, index, params, self.state, group, self.backend)
                 plan.run(group, grad_scale, found_inf)
                 telemetry.watch("amax_update", plan.update_amax)
+                stepped = True
+        warn_if_nothing_stepped(self, stepped)
         return loss
 
 

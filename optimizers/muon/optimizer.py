@@ -19,7 +19,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from ..shared.checks import check_adam_hyperparameters, check_lr, check_params_once, evaluate_closure
+from ..shared.checks import (
+    check_adam_hyperparameters,
+    check_lr,
+    check_params_once,
+    evaluate_closure,
+    warn_if_nothing_stepped,
+)
 from ..shared.dtensor import refuse_dtensors
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import GroupPlan, group_state_init, group_stepper
@@ -167,6 +173,7 @@ class Muon(torch.optim.Optimizer):
         """One Muon/AdamW update of every parameter with a grad. Returns ``closure()``'s loss."""
         loss = evaluate_closure(closure)
         check_params_once(self)
+        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
         with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
             for index, group in enumerate(self.param_groups):
                 params = [p for p in group["params"] if p.grad is not None]

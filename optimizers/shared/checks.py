@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .buckets import warn_once
 from .dtensor import DTensor, local
 
 _STATE_DTYPES = {
@@ -104,6 +105,16 @@ def check_params_once(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, "_groups_checked", 0) != groups:
         check_params_are_live(optimizer.param_groups, type(optimizer).__name__)
         optimizer._groups_checked = groups
+
+
+def warn_if_nothing_stepped(optimizer: torch.optim.Optimizer, stepped: bool) -> None:
+    """One warning when a step under torch.distributed found no gradient at all: the mark of an
+    optimizer built before ``fully_shard`` on a torch whose FSDP2 leaves no tag on the parameters it
+    replaces (torch 2.11; ``check_params_are_live`` catches it on torch 2.13)."""
+    if not stepped and torch.distributed.is_available() and torch.distributed.is_initialized():
+        warn_once(f"{type(optimizer).__name__}.step() found no parameter with a gradient; if fully_shard (FSDP2) "
+                  "wrapped the model after the optimizer was built, the optimizer holds the parameters it "
+                  "replaced: build it after fully_shard(model)")  # fmt: skip
 
 
 def check_params_are_live(param_groups: list[dict], optimizer: str) -> None:

@@ -55,13 +55,15 @@ class RowShard:
             slots[whole, rest:].zero_()
         slots[whole + (1 if rest else 0) :].zero_()
 
-    def gather_rows(self, segments: Tensor, full: Tensor) -> None:
-        """Read ``full`` ([R, ...], contiguous) back from its slots of ``segments`` ([world, n])."""
+    def gather_pairs(self, segments: Tensor, full: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(destination, source) views that read ``full`` ([R, ...], contiguous) back from its slots of
+        ``segments`` ([world, n]): the caller copies many parameters' pairs in one foreach launch."""
         slots, rows = self.slots(segments), full.view(self.rows, self.row_numel)
         whole, rest = divmod(self.rows, self.per_rank)
-        rows[: whole * self.per_rank].view(whole, self.per_rank, self.row_numel).copy_(slots[:whole])
+        pairs = [(rows[: whole * self.per_rank].view(whole, self.per_rank, self.row_numel), slots[:whole])]
         if rest:
-            rows[whole * self.per_rank :].copy_(slots[whole, :rest])
+            pairs.append((rows[whole * self.per_rank :], slots[whole, :rest]))
+        return pairs
 
     def piece(self, reduced: Tensor) -> Tensor:
         """This rank's rows within this rank's piece ``reduced`` ([n]), as [end - start, ...]."""

@@ -146,19 +146,21 @@ class ZeroGrads:
 
     def all_gather_params(self, buckets: list[GradBucket]) -> None:
         """Every rank's updated rows of the parameters of ``buckets`` into the full parameters: one
-        all-gather per bucket, all launched before the first wait."""
+        all-gather per bucket, all launched before the first wait; packing and unpacking are one
+        foreach copy per bucket."""
         launched = []
         for b in buckets:
             send = torch.empty(b.piece_numel, dtype=b.params[0].dtype, device=b.params[0].device)
-            for p, s in zip(b.params, b.shards, strict=True):
-                s.piece(send).copy_(s.local_rows(p.detach()).reshape(-1))
+            mine = [s.local_rows(p.detach()).reshape(-1) for p, s in zip(b.params, b.shards, strict=True)]
+            torch._foreach_copy_([s.piece(send) for s in b.shards], mine)
             out = torch.empty(b.world * b.piece_numel, dtype=send.dtype, device=send.device)
             launched.append((b, all_gather(out, send, self.group), out, send))
         for b, work, out, _ in launched:
             work.wait()
             segments = out.view(b.world, b.piece_numel)
-            for p, s in zip(b.params, b.shards, strict=True):
-                s.gather_rows(segments, p.detach())
+            pairs = [pair for p, s in zip(b.params, b.shards, strict=True)
+                     for pair in s.gather_pairs(segments, p.detach())]  # fmt: skip
+            torch._foreach_copy_([d for d, _ in pairs], [src for _, src in pairs])
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
