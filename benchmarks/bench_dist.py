@@ -39,7 +39,9 @@ HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 NOT_SHARDED_YET = ("AdamMini", "Muon")
 
 
-def _init() -> tuple[int, int, torch.device]:
+def _init() -> tuple[int, int, torch.device, str]:
+    """(rank, world, device, launcher): NCCL over torchrun's ranks, or one rank of a plain run."""
+    launcher = "torchrun --nproc_per_node {world}" if "RANK" in os.environ else "python"
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain `python` run: one rank
             with socket.socket() as s:
@@ -49,7 +51,7 @@ def _init() -> tuple[int, int, torch.device]:
         dist.init_process_group("nccl")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
+    return dist.get_rank(), dist.get_world_size(), device, launcher
 
 
 def build(config: str, model_config: ModelConfig, device: torch.device, world: int):
@@ -148,7 +150,7 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    rank, world, device = _init()
+    rank, world, device, launcher = _init()
     model_config = ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64,
                                n_kv_heads=max(1, args.dim // 256), ffn_dim=args.dim * 8 // 3 // 64 * 64,
                                max_seq_len=args.seq)  # fmt: skip
@@ -165,7 +167,7 @@ def main(argv=None) -> None:
         for r in rows:
             lines.append(f"| {r['config']} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {r['exposed_comm_ms']:.2f} | "
                          f"{r['peak_gib']:.2f} | {r['state_gib']:.3f} |")  # fmt: skip
-        command = f"torchrun --nproc_per_node {world} benchmarks/bench_dist.py {' '.join(argv or sys.argv[1:])}"
+        command = f"{launcher.format(world=world)} benchmarks/bench_dist.py {' '.join(argv or sys.argv[1:])}"
         lines += ["", f"Not under FSDP2 yet: {', '.join(NOT_SHARDED_YET)} (they refuse DTensor parameters).",
                   f"Command: {command.strip()}"]  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
