@@ -8,8 +8,8 @@ resume with Distributed Checkpoint (DCP). Launch with torchrun (NCCL on GPUs, Gl
 
 ``adamw``: FSDP2 (``fully_shard`` per decoder layer, then the whole model) with our AdamW on the
 sharded parameters, clipped by our ``clip_grad_norm_``. ``distributed_adamw``: the model left
-unwrapped, ZeRO-2 by ``DistributedAdamW`` (gradients reduce-scattered during backward; no
-clipping: the full gradients are gone after backward). ``--checkpoint DIR`` saves model,
+unwrapped, ZeRO-2 by ``DistributedAdamW`` (gradients reduce-scattered during backward, clipped by
+the optimizer's ``clip_grad_norm_``, where they live after backward). ``--checkpoint DIR`` saves model,
 optimizer, scheduler and step there at the end; ``--resume`` loads them first, at any world size,
 and trains on to ``--steps`` (the schedule's length); ``--stop-after N`` stops a run after N steps.
 Prints the mean loss over ranks as it goes; ``main`` returns the losses.
@@ -85,6 +85,8 @@ def main(argv=None) -> list[float]:
         loss.backward()
         if args.optimizer == "adamw":
             clip_grad_norm_(model.parameters(), 1.0)
+        else:  # the gradients live reduced and sharded in the optimizer after backward
+            opt.clip_grad_norm_(1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

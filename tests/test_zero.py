@@ -14,7 +14,7 @@ from fsdp_probe import Probe, shard_of, targets
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from zero_probe import HYPER, zero_equal_to_one_process
+from zero_probe import HYPER, zero_clips_like_one_process, zero_equal_to_one_process
 
 from kernel_factory.optimizers import AdamW, DistributedAdamW
 
@@ -27,6 +27,10 @@ def test_distributed_adamw_is_bitwise_the_one_process_step(world, backend):
 
 def test_gradients_accumulated_under_no_sync_are_reduced_once_and_stepped_bitwise():
     run_ranks(2, zero_equal_to_one_process, "triton", "cpu", 3)
+
+
+def test_distributed_adamw_clips_the_reduced_gradients_like_one_process():
+    run_ranks(2, zero_clips_like_one_process)
 
 
 def _train(model, opt, steps, rank, world, first=0):

@@ -52,3 +52,25 @@ def zero_equal_to_one_process(rank: int, world: int, backend: str, device: str =
             ours, theirs = opt.state[p][key], ref_opt.state[q][key]
             ours = ours.to_local() if key != "step" else ours
             assert torch.equal(ours, theirs if key == "step" else shard_of(theirs, rank, world)), (i, key)
+
+
+def zero_clips_like_one_process(rank: int, world: int) -> None:
+    """``DistributedAdamW.clip_grad_norm_`` against torch's clip on the averaged gradients in one
+    process: the same norm up to the summation order (log2(n) ulps), then the same step."""
+    os.environ["KERNEL_FACTORY_BACKEND"] = "triton"
+    model, ref = Probe(), Probe()
+    opt = DistributedAdamW(model.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER)
+    ref_opt = AdamW(ref.parameters(), **HYPER)
+    rtol = 8 * torch.finfo(torch.float32).eps
+    for step in range(3):
+        model(targets(step, rank, world)).backward()
+        total = opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        for p, g in zip(ref.params, targets(step, 0, 1), strict=True):
+            p.grad = g
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        torch.testing.assert_close(total, expected, rtol=rtol, atol=0)
+    for p, q in zip(model.params, ref.params, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..shared.checks import check_params_once, evaluate_closure
+from ..shared.clip_grad import clip_grad_norm_
 from ..shared.row_shards import RowShard
 from ..shared.zero_buckets import ZeroGrads, refuse_ddp
 from .optimizer import AdamW
@@ -36,7 +37,7 @@ class DistributedAdamW(AdamW):
     and identical on every rank; parameters must have ndim >= 1 and not be DTensors (a sharded model
     takes :class:`AdamW` itself). Needs ``torch.distributed`` initialized (e.g. by ``torchrun``).
 
-    Use: ``loss.backward(); opt.step(); opt.zero_grad()``; wrap the backward passes that only
+    Use: ``loss.backward(); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()``; wrap the backward passes that only
     accumulate in ``with opt.no_sync():``. Every rank must produce gradients for the same
     parameters in an iteration (as DDP without ``find_unused_parameters``). After ``backward`` the
     parameters' ``.grad`` are None: the gradients live reduced and sharded in the optimizer. Not
@@ -152,6 +153,26 @@ class DistributedAdamW(AdamW):
         super().zero_grad(set_to_none)
         self._grads.discard()
 
+    def _reduced_grads(self) -> list:
+        """This iteration's gradient buckets, reduced (``ZeroGrads.finish``, idempotent), with each
+        shard param's ``.grad`` a Shard(0) DTensor over its rows of the bucket's reduced buffer."""
+        buckets = self._grads.finish()
+        for b in buckets:
+            for p, shard in zip(b.params, b.shards, strict=True):
+                shard_param = self._shards[id(p)][1]
+                if shard_param.grad is None:  # the reduced buffer stays put: grad tables are built once
+                    shard_param.grad = self._as_shard(p, shard.piece(b.reduced).view_as(shard_param.to_local()))
+        return buckets
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for this optimizer's gradients, which after backward
+        live reduced and sharded here (the parameters' ``.grad`` are None): call between backward
+        and ``step()``. Returns the total norm (0-d fp32, the same on every rank)."""
+        buckets = self._reduced_grads()
+        shard_params = [self._shards[id(p)][1] for b in buckets for p in b.params if id(p) in b.got]
+        return clip_grad_norm_(shard_params, max_norm, norm_type, error_if_nonfinite)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """Reduce-scatter what backward left, step the local shards, all-gather the parameters."""
@@ -164,13 +185,8 @@ class DistributedAdamW(AdamW):
         if not self._ddp_checked:  # DDP may wrap the model after the optimizer was built
             refuse_ddp([p for g in self.param_groups for p in g["params"]], "DistributedAdamW")
             self._ddp_checked = True
-        buckets = self._grads.finish()
+        buckets = self._reduced_grads()
         got = {i for b in buckets for i in b.got}
-        for b in buckets:
-            for p, shard in zip(b.params, b.shards, strict=True):
-                shard_param = self._shards[id(p)][1]
-                if shard_param.grad is None:  # the reduced buffer stays put: grad tables are built once
-                    shard_param.grad = self._as_shard(p, shard.piece(b.reduced).view_as(shard_param.to_local()))
         states = self._shard_states()
         with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
             for index, group in enumerate(self.param_groups):
