@@ -14,17 +14,19 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from kernel_factory.optimizers import Adam, AdamW
+from kernel_factory.optimizers import Adam, AdamW, Muon
 from kernel_factory.optimizers.parity import compare_tensors
 from kernel_factory.optimizers.shared.dtensor import local
 
-# Rows split unevenly; (1, 7) and (2, 2, 3) leave empty shards on tail ranks; a tall matrix; 1-D.
-SHAPES = [(5, 3), (1, 7), (16, 4), (9,), (2, 2, 3)]
+# Rows split unevenly; (1, 7) and (2, 2, 3) leave empty shards on tail ranks; a tall matrix; 1-D;
+# repeated shapes make batches whose matrices have different owner ranks (Muon).
+SHAPES = [(5, 3), (1, 7), (16, 4), (9,), (2, 2, 3), (5, 3), (5, 3), (16, 4)]
 SAMPLES = 4  # per step, split over the ranks
 OPTIMIZERS = {
     "AdamW": lambda params: AdamW(params, lr=1e-2, weight_decay=0.1),
     "Adam-amsgrad": lambda params: Adam(params, lr=1e-2, weight_decay=0.1, amsgrad=True),
 }
+SHARDED_MUON = lambda params: Muon(params, lr=0.02, weight_decay=0.1, adamw_lr=1e-2)  # noqa: E731
 
 
 class Probe(torch.nn.Module):
@@ -94,3 +96,22 @@ def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device
                 assert same(ours, value if key == "step" else shard_of(value, rank, world)), (name, i, key)
         if rank == world - 1:  # the tail rank holds empty shards, kept in the state and stepped
             assert local(model.params[1]).numel() == 0 and float(opt.state[model.params[1]]["step"]) == 4
+
+
+def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu") -> None:
+    """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
+    momentum buffers within ``tol`` (normwise relative; 0: bitwise)."""
+    os.environ["KERNEL_FACTORY_BACKEND"] = backend
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a, b, tol).passed)
+    build = SHARDED_MUON
+    model, opt = sharded(world, build, device)
+    for step in range(4):
+        fsdp_step(model, opt, step, rank, world)
+    ref, ref_opt = one_process(build, 4, device)
+    for i, (p, q) in enumerate(zip(model.params, ref.params, strict=True)):
+        assert same(local(p), shard_of(q, rank, world)), i
+        for key, value in ref_opt.state[q].items():
+            ours = local(opt.state[p][key])
+            assert same(ours, value if key == "step" else shard_of(value, rank, world)), (i, key)

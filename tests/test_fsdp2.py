@@ -17,13 +17,22 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from distributed import run_ranks
-from fsdp_probe import OPTIMIZERS, Probe, equal_to_one_process, fsdp_step, sharded, targets
+from fsdp_probe import (
+    OPTIMIZERS,
+    SHARDED_MUON,
+    Probe,
+    equal_to_one_process,
+    fsdp_step,
+    muon_equal_to_one_process,
+    sharded,
+    targets,
+)
 from tolerances import drift_tol
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from kernel_factory.optimizers import AdamMini, AdamW, Muon
+from kernel_factory.optimizers import AdamMini, AdamW
 from kernel_factory.optimizers.shared.dtensor import local
 
 
@@ -37,9 +46,21 @@ def test_fsdp2_step_on_torchs_fused_cpu_kernel_is_within_an_ulp_per_step():
     run_ranks(2, equal_to_one_process, "auto", drift_tol(4))
 
 
-def _save(rank: int, world: int, path: str) -> None:
-    os.environ["KERNEL_FACTORY_BACKEND"] = "triton"  # position-independent arithmetic (module docstring)
-    model, opt = sharded(world, OPTIMIZERS["AdamW"])
+@pytest.mark.parametrize(("world", "backend", "tol"), [(2, "torch", 0.0), (4, "torch", 0.0), (2, "auto", drift_tol(4))])
+def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol):
+    """Muon with an owner rank per matrix, NS on torch's matmuls: bitwise the one-process step on the
+    reference path; on ``auto`` the non-matrix params take torch's fused CPU AdamW (an ulp a step)."""
+    run_ranks(world, muon_equal_to_one_process, backend, tol)
+
+
+# The optimizers a checkpoint is tested with, on a path whose arithmetic does not depend on an
+# element's position (module docstring): AdamW's kernel under the interpreter; Muon's reference.
+CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton"), "Muon": (SHARDED_MUON, "torch")}
+
+
+def _save(rank: int, world: int, path: str, name: str) -> None:
+    build, os.environ["KERNEL_FACTORY_BACKEND"] = CHECKPOINTED[name]
+    model, opt = sharded(world, build)
     for step in range(3):
         fsdp_step(model, opt, step, rank, world)
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -50,25 +71,26 @@ def _save(rank: int, world: int, path: str) -> None:
         torch.save(full, os.path.join(path, "after_next_step.pt"))
 
 
-def _load_and_step(rank: int, world: int, path: str) -> None:
-    os.environ["KERNEL_FACTORY_BACKEND"] = "triton"
-    model, opt = sharded(world, OPTIMIZERS["AdamW"])
+def _load_and_step(rank: int, world: int, path: str, name: str) -> None:
+    build, os.environ["KERNEL_FACTORY_BACKEND"] = CHECKPOINTED[name]
+    model, opt = sharded(world, build)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    assert all(float(s["step"]) == 3 for s in opt.state.values())
+    assert all(float(s["step"]) == 3 for s in opt.state.values() if "step" in s)
     fsdp_step(model, opt, 3, rank, world)
     full = [p.full_tensor() for p in model.params]
     expected = torch.load(os.path.join(path, "after_next_step.pt"))
     assert all(torch.equal(a, b) for a, b in zip(full, expected, strict=True))
 
 
-def test_a_dcp_checkpoint_of_2_ranks_resumes_identically_at_1_and_4(tmp_path):
+@pytest.mark.parametrize("name", sorted(CHECKPOINTED))
+def test_a_dcp_checkpoint_of_2_ranks_resumes_identically_at_1_and_4(tmp_path, name):
     path = str(tmp_path / "ckpt")
-    run_ranks(2, _save, path)
+    run_ranks(2, _save, path, name)
     for world in (1, 4):
-        run_ranks(world, _load_and_step, path)
+        run_ranks(world, _load_and_step, path, name)
 
 
 def _checkpoints_move_between_torch_adamw_and_ours(rank: int, world: int, path: str) -> None:
@@ -96,7 +118,7 @@ def test_checkpoints_move_between_torch_adamw_and_ours_under_fsdp2(tmp_path):
 
 
 def _refused(rank: int, world: int) -> None:
-    for build in (lambda m: AdamMini(m.named_parameters(), dim=4, n_heads=1), lambda m: Muon(m.parameters())):
+    for build in (lambda m: AdamMini(m.named_parameters(), dim=4, n_heads=1),):
         model, _ = sharded(world, lambda params: None)
         try:
             build(model)

@@ -1,4 +1,4 @@
-"""GPU tier: AdamW and Adam under FSDP2, and DistributedAdamW, with the real multi-tensor kernels,
+"""GPU tier: AdamW, Adam and Muon under FSDP2, and DistributedAdamW, with the real multi-tensor kernels,
 two ranks on one GPU over Gloo. Gloo stages through the host: these runs prove correctness, not
 speed."""
 
@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 from distributed import run_ranks
-from fsdp_probe import equal_to_one_process
+from fsdp_probe import SHAPES, equal_to_one_process, muon_equal_to_one_process
 from zero_probe import zero_equal_to_one_process
+
+from kernel_factory.optimizers.parity.bounds import muon_tol
 
 pytestmark = pytest.mark.gpu
 
@@ -19,3 +21,10 @@ def test_fsdp2_step_on_the_gpu_kernels_is_bitwise_the_one_process_step():
 @pytest.mark.parametrize("micro", [1, 2])
 def test_distributed_adamw_on_the_gpu_kernels_is_bitwise_the_one_process_step(micro):
     run_ranks(2, zero_equal_to_one_process, "auto", "cuda", micro)
+
+
+def test_muon_under_fsdp2_on_the_gpu_is_within_one_bf16_ns_of_the_one_process_step():
+    """The owner runs NS on the tuned kernels from torch's momentum ops; one process runs the fused
+    momentum and NS kernels: another bf16 rounding of NS (``muon_tol``)."""
+    tol = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_std=1.0)
+    run_ranks(2, muon_equal_to_one_process, "auto", tol, "cuda")

@@ -26,10 +26,11 @@ from ..shared.checks import (
     evaluate_closure,
     warn_if_nothing_stepped,
 )
-from ..shared.dtensor import refuse_dtensors
+from ..shared.dtensor import DTensor
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import GroupPlan, group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
+from .distributed import sharded_muon_group_plan
 from .newton_schulz import DEFAULT_EPS, NS5_COEFFICIENTS, coefficient_schedule
 from .plan import init_muon_group_state, muon_group_plan
 
@@ -105,7 +106,6 @@ class Muon(torch.optim.Optimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True)  # fmt: skip
         super().__init__(self._split_groups(params), defaults)
-        refuse_dtensors([p for g in self.param_groups for p in g["params"]], "Muon")
         self._plans: dict[int, GroupPlan] = {}  # by group index
         self.telemetry = Telemetry(AMAX_UPDATE)
 
@@ -182,8 +182,14 @@ class Muon(torch.optim.Optimizer):
                 if group["use_muon"]:
                     # One batch per NS shape (plan.py): same-shape matrices, tall ones transposed (NS of
                     # Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way).
-                    plan = muon_group_plan(self._plans, index, params, self.state)
+                    sharded = [p for p in params if isinstance(p, DTensor)]
+                    plan = muon_group_plan(self._plans, index, [p for p in params if not isinstance(p, DTensor)],
+                                           self.state)  # fmt: skip
                     plan.run(group)
+                    if sharded:  # FSDP2's matrices: an owner rank per matrix (distributed.py)
+                        telemetry.watch("amax_update", plan.update_amax)
+                        plan = sharded_muon_group_plan(self._plans, index, sharded, self.state)
+                        plan.run(group)
                 else:
                     plan = group_stepper("adamw")(self._plans, index, params, self.state, group)
                     plan.run(group, None, None)

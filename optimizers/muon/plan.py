@@ -23,6 +23,7 @@ from kernel_factory.generator import MUON, backend_mode, detect_arch, load, sele
 
 from ..shared.buckets import TRITON_DTYPES, aligned, kernel_path, pointer_table
 from ..shared.checks import checked_grads
+from ..shared.dtensor import local
 from ..shared.grad_table import GradTable
 from .newton_schulz import coefficient_schedule, iterate
 from .newton_schulz_launch import StaticGraph, joint_newton_schulz, normalized
@@ -223,7 +224,7 @@ class JointNS:
 
 
 def _batch_kind(ps: list[Tensor], bufs: list[Tensor], mode: str) -> Callable[..., MuonBatch]:
-    paths = {kernel_path(p, mode) for p in ps}  # the buffers are contiguous (_init_momentum_buffer)
+    paths = {kernel_path(p, mode) for p in ps}  # the buffers are contiguous (init_momentum_buffer)
     if paths == {"interpreter"}:
         return lambda *a: TritonBatch(*a, multi_tensor=False)
     if paths == {"cuda"}:
@@ -231,11 +232,15 @@ def _batch_kind(ps: list[Tensor], bufs: list[Tensor], mode: str) -> Callable[...
     return TorchBatch
 
 
-def _init_momentum_buffer(p: Tensor, state: dict) -> None:
+def init_momentum_buffer(p: Tensor, state: dict) -> None:
+    """Create (or, after a checkpoint load, normalise) ``p``'s momentum buffer: like ``p`` (a DTensor
+    with its placements for a DTensor param), contiguous and 16-byte aligned locally."""
     buf = state.get("momentum_buffer")
+    shard = local(buf) if buf is not None else None
     if buf is None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-    elif buf.dtype != p.dtype or buf.device != p.device or not buf.is_contiguous() or buf.data_ptr() % 16:
+    elif (buf.dtype != p.dtype or shard.device != local(p).device or not shard.is_contiguous()
+          or shard.data_ptr() % 16):  # fmt: skip
         # Loaded from a checkpoint as a view or in another dtype: the kernels take contiguous,
         # 16-byte aligned buffers of the param's dtype.
         state["momentum_buffer"] = buf.to(p.device, p.dtype, memory_format=torch.contiguous_format, copy=True)
@@ -246,7 +251,7 @@ def init_muon_group_state(group: dict, state: dict) -> None:
     are not empty and not on the meta device)."""
     for p in group["params"]:
         if p.requires_grad and p.numel() and not p.is_meta:
-            _init_momentum_buffer(p, state[p])
+            init_momentum_buffer(p, state[p])
 
 
 class MuonGroupPlan:
@@ -261,7 +266,7 @@ class MuonGroupPlan:
                 raise RuntimeError(f"Muon does not support complex parameters (parameter {i}, shape {tuple(p.shape)})")
             if p.numel() == 0:
                 continue  # nothing to orthogonalize or update
-            _init_momentum_buffer(p, state[p])
+            init_momentum_buffer(p, state[p])
             rows, cols = p.shape[0], p.numel() // max(p.shape[0], 1)
             groups.setdefault((min(rows, cols), max(rows, cols), p.device, p.dtype), []).append(p)
         self.batches: list[MuonBatch] = []
