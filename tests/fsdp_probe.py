@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from kernel_factory.optimizers import Adam, AdamW, Muon
+from kernel_factory.optimizers import Adam, AdamMini, AdamW, Muon
 from kernel_factory.optimizers.parity import compare_tensors
 from kernel_factory.optimizers.shared.dtensor import local
 
@@ -27,6 +27,16 @@ OPTIMIZERS = {
     "Adam-amsgrad": lambda params: Adam(params, lr=1e-2, weight_decay=0.1, amsgrad=True),
 }
 SHARDED_MUON = lambda params: Muon(params, lr=0.02, weight_decay=0.1, adamw_lr=1e-2)  # noqa: E731
+# Names that give AdamMini every kind of block on SHAPES: rows, heads of 8 rows (split across ranks
+# at 4), a whole (2, 2, 3) tensor and a (1, 7) norm (split or empty), a bias (per element).
+ADAM_MINI_NAMES = ["layers.0.mlp.up_proj.weight", "layers.0.post_attention_layernorm.weight",
+                   "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.bias", "layers.0.block.extra",
+                   "embed_tokens.weight", "layers.0.self_attn.o_proj.weight", "layers.0.self_attn.k_proj.weight"]
+
+
+def sharded_adam_mini(params, momentum_dtype: str = "fp32"):
+    return AdamMini(list(zip(ADAM_MINI_NAMES, params, strict=True)), lr=1e-2, weight_decay=0.1, dim=4, n_heads=2,
+                    n_kv_heads=2, head_dim=8, momentum_dtype=momentum_dtype)  # fmt: skip
 
 
 class Probe(torch.nn.Module):
@@ -101,11 +111,23 @@ def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device
 def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu") -> None:
     """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
     momentum buffers within ``tol`` (normwise relative; 0: bitwise)."""
+    states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
+
+
+def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",
+                                   momentum_dtype: str = "fp32") -> None:  # fmt: skip
+    """4 AdamMini steps at ``world`` ranks against one process, within ``tol``; the blocks' second
+    moments are replicated, compared whole."""
+    states_equal_to_one_process(rank, world, lambda ps: sharded_adam_mini(ps, momentum_dtype), backend, tol, device)
+
+
+def states_equal_to_one_process(rank: int, world: int, build, backend: str, tol: float, device: str = "cpu") -> None:
+    """4 steps of ``build``'s optimizer at ``world`` ranks against one process: params and every
+    state within ``tol`` (normwise relative; 0: bitwise); replicated states compared whole."""
     os.environ["KERNEL_FACTORY_BACKEND"] = backend
     if device == "cuda":
         torch.cuda.set_device(0)
-    same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a, b, tol).passed)
-    build = SHARDED_MUON
+    same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a.float(), b.float(), tol).passed)
     model, opt = sharded(world, build, device)
     for step in range(4):
         fsdp_step(model, opt, step, rank, world)
@@ -113,5 +135,6 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     for i, (p, q) in enumerate(zip(model.params, ref.params, strict=True)):
         assert same(local(p), shard_of(q, rank, world)), i
         for key, value in ref_opt.state[q].items():
-            ours = local(opt.state[p][key])
-            assert same(ours, value if key == "step" else shard_of(value, rank, world)), (i, key)
+            ours = opt.state[p][key]
+            whole = key == "step" or all(pl.is_replicate() for pl in ours.placements)
+            assert same(local(ours), value if whole else shard_of(value, rank, world)), (i, key)

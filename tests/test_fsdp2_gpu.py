@@ -1,12 +1,20 @@
-"""GPU tier: AdamW, Adam and Muon under FSDP2, and DistributedAdamW, with the real multi-tensor kernels,
+"""GPU tier: AdamW, Adam, Muon and AdamMini under FSDP2, and DistributedAdamW, with the real multi-tensor kernels,
 two ranks on one GPU over Gloo. Gloo stages through the host: these runs prove correctness, not
 speed."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from distributed import run_ranks
-from fsdp_probe import SHAPES, equal_to_one_process, muon_equal_to_one_process
+from fsdp_probe import (
+    SHAPES,
+    adam_mini_equal_to_one_process,
+    equal_to_one_process,
+    muon_equal_to_one_process,
+    sharded,
+    sharded_adam_mini,
+)
 from zero_probe import zero_equal_to_one_process
 
 from kernel_factory.optimizers.parity.bounds import muon_tol
@@ -28,3 +36,18 @@ def test_muon_under_fsdp2_on_the_gpu_is_within_one_bf16_ns_of_the_one_process_st
     momentum and NS kernels: another bf16 rounding of NS (``muon_tol``)."""
     tol = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_std=1.0)
     run_ranks(2, muon_equal_to_one_process, "auto", tol, "cuda")
+
+
+def test_adam_mini_under_fsdp2_on_the_gpu_is_within_1e6_of_the_one_process_kernels():
+    """fp32 momentum: ours on the local rows against one process's fused kernels (parity's 1e-6)."""
+    run_ranks(2, adam_mini_equal_to_one_process, "auto", 1e-6, "cuda", "fp32")
+
+
+def _fp8_refused(rank: int, world: int) -> None:
+    torch.cuda.set_device(0)
+    with pytest.raises(ValueError, match="FP8 momentum does not take DTensor parameters yet"):
+        sharded(world, lambda ps: sharded_adam_mini(ps, "fp8"), "cuda")
+
+
+def test_adam_mini_fp8_momentum_refuses_dtensor_params():
+    run_ranks(2, _fp8_refused)

@@ -28,9 +28,10 @@ from ..shared.checks import (
     evaluate_closure,
     warn_if_nothing_stepped,
 )
-from ..shared.dtensor import refuse_dtensors
+from ..shared.dtensor import DTensor
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
+from .distributed import ShardedParam, replicated_zeros, row_split, sharded_adam_mini_step
 from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
 from .plan import AdamMiniTritonPlan
@@ -144,11 +145,15 @@ class AdamMini(torch.optim.Optimizer):
             split_groups += [dict(extra, params=no_decay, weight_decay=0.0)] if no_decay else []
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(split_groups, defaults)
-        refuse_dtensors([p for g in self.param_groups for p in g["params"]], "AdamMini")
+        for g in self.param_groups:
+            for p in g["params"]:
+                if isinstance(p, DTensor):
+                    self._check_sharded(p)
         for g in self.param_groups:
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self.telemetry = Telemetry(TELEMETRY)
         self._plans: dict[int, tuple] = {}
+        self._sharded: dict[int, ShardedParam] = {}
         for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
             for p in g["params"]:
                 if p.requires_grad and not p.is_meta:
@@ -175,6 +180,14 @@ class AdamMini(torch.optim.Optimizer):
             return "bf16"
         return self.momentum_dtype
 
+    def _check_sharded(self, p: DTensor) -> None:
+        """TypeError for a DTensor layout the sharded step does not take; ValueError for FP8 momentum
+        (its fallback pool is shared by a parameter's rows) on a DTensor parameter."""
+        row_split(p)
+        if self._momentum_name(p) == "fp8":
+            raise ValueError(f"AdamMini's FP8 momentum does not take DTensor parameters yet ({self._parts[id(p)].name}"
+                             "): use momentum_dtype='bf16' or 'fp32' under FSDP2")  # fmt: skip
+
     def _init_state(self, p: Tensor, part: ParamPartition) -> dict:
         state = self.state[p]
         if "step" in state:
@@ -190,6 +203,10 @@ class AdamMini(torch.optim.Optimizer):
         else:
             state["exp_avg"] = torch.zeros_like(p, dtype=MOMENTUM_DTYPES[momentum],
                                                 memory_format=torch.contiguous_format)  # fmt: skip
+        if isinstance(p, DTensor):  # per-element: like the param; per block: replicated (distributed.py)
+            state["exp_avg_sq"] = (torch.zeros_like(p, dtype=torch.float32) if part.kind == "adam"
+                                   else replicated_zeros(p, part.blocks))  # fmt: skip
+            return state
         sq_shape = p.shape if part.kind == "adam" else (part.blocks,)
         state["exp_avg_sq"] = torch.zeros(sq_shape, dtype=torch.float32, device=p.device)
         return state
@@ -237,7 +254,10 @@ class AdamMini(torch.optim.Optimizer):
         first = next((p for g in self.param_groups for p in g["params"]), None)
         with self.telemetry.step(first.device if first is not None else None):
             for index, group in enumerate(self.param_groups):
-                params = [p for p in group["params"] if p.grad is not None]
+                params = [p for p in group["params"] if p.grad is not None and not isinstance(p, DTensor)]
+                sharded = [p for p in group["params"] if p.grad is not None and isinstance(p, DTensor)]
+                if sharded:
+                    self._step_sharded(sharded, group)
                 if not params:
                     continue
                 plans, reference = self._group_plan(index, params)
@@ -255,6 +275,23 @@ class AdamMini(torch.optim.Optimizer):
                     sub_blocks = part.rows * fp8_layout(part.rows, part.cols, self.sub_block, 1.0)[0]
                     self._record_counts(sub_blocks, out["bf16_blocks"], out["overflow"], out["amax_update"], fp8)
         return loss
+
+    def _step_sharded(self, params: list[DTensor], group: dict) -> None:
+        """FSDP2's parameters: block sums across ranks, then PyTorch ops on the local rows."""
+        items = []
+        for p in params:
+            part = self._parts[id(p)]
+            self._init_state(p, part)
+            cached = self._sharded.get(id(p))
+            if cached is None or cached.p is not p:
+                cached = self._sharded[id(p)] = ShardedParam(p, part)
+            items.append(cached)
+        grads = checked_grads(params)
+        beta1, beta2 = (float(b) for b in group["betas"])
+        amax = sharded_adam_mini_step(items, grads, [self.state[p] for p in params], lr=float(group["lr"]),
+                                      beta1=beta1, beta2=beta2, eps=group["eps"],
+                                      weight_decay=group["weight_decay"])  # fmt: skip
+        self.telemetry.add("amax_update", amax)
 
     def _watch_plan(self, plan: AdamMiniTritonPlan) -> None:
         """This step's counters, kept by the plan's kernels, read by the telemetry when asked

@@ -20,12 +20,3 @@ except ImportError:  # a torch built without distributed support: no DTensor can
 def local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (the same tensor object at every call, not a copy), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def refuse_dtensors(params, optimizer: str) -> None:
-    """TypeError naming the first DTensor among ``params``: for optimizers that do not take sharded
-    parameters yet (their blocks or matrices span shards), rather than a wrong step."""
-    for i, p in enumerate(params):
-        if isinstance(p, DTensor):
-            raise TypeError(f"{optimizer} does not take DTensor parameters (FSDP2, tensor parallelism) yet: "
-                            f"parameter {i} of shape {tuple(p.shape)} is one; AdamW and Adam do")  # fmt: skip

@@ -1,0 +1,133 @@
+"""Adam-mini on FSDP2's sharded parameters: block statistics across shards, PyTorch ops on the
+local rows.
+
+FSDP2 splits a parameter's dim 0 (``torch.chunk``), so a rank holds whole rows of its matrix view
+(rows = shape[0]) or, for a 1-D parameter (one row), a run of that row's elements. A block (a
+head's rows, a row, the whole tensor) can span ranks, so its mean of g² is formed in two steps:
+each rank adds g² over its part of every block, one all-reduce per shard group (the mesh dim
+that splits the rows; HSDP's replicas hold copies) sums all parameters' partial sums at once,
+and the sum is divided by the block's size. The second moments of blocks are then the same on
+every rank: a ``Replicate`` DTensor of shape [blocks], whatever the world size, so DCP reshards
+it exactly; plain Adam's (biases) is elementwise, a DTensor like the param, as is the momentum.
+
+The math is the reference step's (``reference.py``) on the local rows; only the order of the
+block sums differs from one process's (fp32, about log2(n) ulps of the mean). FP8 momentum keeps
+a pool shared by a parameter's rows and does not take sharded parameters yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .partition import ParamPartition
+
+
+def row_split(p: DTensor):
+    """(process group, world, rank) of the mesh dim that splits ``p``'s dim 0; TypeError otherwise."""
+    split = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
+    if len(split) != 1 or type(p.placements[split[0]]) is not Shard or p.placements[split[0]].dim != 0:
+        raise TypeError(f"AdamMini takes DTensor parameters split on dim 0 over one mesh dim (FSDP2, HSDP); "
+                        f"a parameter of shape {tuple(p.shape)} has placements {p.placements}")  # fmt: skip
+    mesh, dim = p.device_mesh, split[0]
+    return mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+
+
+def replicated_zeros(p: DTensor, n: int) -> DTensor:
+    """A [n] fp32 ``Replicate`` DTensor of zeros on ``p``'s mesh (one value per block)."""
+    local = torch.zeros(n, dtype=torch.float32, device=p.to_local().device)
+    return DTensor.from_local(local, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+
+
+class ShardedParam:
+    """One DTensor parameter's local rows and their blocks."""
+
+    def __init__(self, p: DTensor, part: ParamPartition) -> None:
+        self.p, self.part = p, part
+        self.group, world, rank = row_split(p)
+        dim0 = p.shape[0]
+        per_rank = -(-dim0 // world)
+        start, end = min(rank * per_rank, dim0), min((rank + 1) * per_rank, dim0)
+        self.local = p.to_local()
+        self.vector = p.dim() < 2  # one row: the local elements are part of it
+        rows = range(0, 1 if end > start else 0) if self.vector else range(start, end)
+        bounds = part.block_rows()
+        block_of_row = torch.bucketize(torch.arange(part.rows), torch.tensor(bounds[1:]), right=True)
+        self.block_ids = block_of_row[list(rows)].to(self.local.device)  # (local rows,)
+        sizes = torch.tensor([(b - a) * part.cols for a, b in zip(bounds, bounds[1:], strict=False)],
+                             dtype=torch.float32)  # fmt: skip
+        self.block_numel = sizes.to(self.local.device)  # elements per block, whole
+
+    def rows_view(self, t: Tensor) -> Tensor:
+        """A local tensor as (local rows, row elements here)."""
+        return t.view(1, -1) if self.vector else t.view(t.shape[0], -1)
+
+    def partial_sq_sums(self, g: Tensor) -> Tensor:
+        """Σ g² over this rank's part of each block: fp32 [blocks]."""
+        out = torch.zeros(self.part.blocks, dtype=torch.float32, device=self.local.device)
+        if self.local.numel():
+            g = self.rows_view(g).float()
+            out.index_add_(0, self.block_ids, (g * g).sum(dim=1))
+        return out
+
+
+def sharded_adam_mini_step(items: list[ShardedParam], grads: list[Tensor], states: list[dict], *, lr: float,
+                           beta1: float, beta2: float, eps: float, weight_decay: float) -> Tensor:  # fmt: skip
+    """One Adam-mini step of sharded params (``items``) with local ``grads``; returns this rank's
+    largest |update| (0-d fp32). One all-reduce per shard group carries every block sum."""
+    sums: dict[int, list[int]] = {}
+    partials = []
+    for i, (item, g) in enumerate(zip(items, grads, strict=True)):
+        if item.part.kind != "adam":
+            sums.setdefault(id(item.group), []).append(i)
+        partials.append(item.partial_sq_sums(g) if item.part.kind != "adam" else None)
+    means: dict[int, Tensor] = {}
+    for members in sums.values():
+        flat = torch.cat([partials[i] for i in members])
+        dist.all_reduce(flat, group=items[members[0]].group)
+        for i, chunk in zip(members, flat.split([partials[i].numel() for i in members]), strict=True):
+            means[i] = chunk / items[i].block_numel
+    amax = torch.zeros((), dtype=torch.float32, device=items[0].local.device)
+    for i, (item, g, state) in enumerate(zip(items, grads, states, strict=True)):
+        amax = torch.maximum(amax, _step_local(item, g, state, means.get(i), lr, beta1, beta2, eps, weight_decay))
+    return amax
+
+
+def _step_local(item: ShardedParam, grad: Tensor, state: dict, mean_sq: Tensor | None, lr, beta1, beta2, eps,
+                weight_decay) -> Tensor:  # fmt: skip
+    """``reference.adam_mini_reference_step``'s math on the local rows, with the blocks' mean g²."""
+    step = int(state["step"].item()) + 1
+    state["step"].add_(1)
+    if not item.local.numel():
+        if mean_sq is not None:  # the replicated second moments advance on every rank alike
+            state["exp_avg_sq"].to_local().mul_(beta2).add_(mean_sq, alpha=1 - beta2)
+        return torch.zeros((), device=item.local.device)
+    g = item.rows_view(grad).float()
+    x = item.rows_view(item.local).float()
+    m_stored = item.rows_view(state["exp_avg"].to_local())
+    v = state["exp_avg_sq"].to_local()
+    bc1, bc2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+    if item.part.kind == "adam":
+        v = item.rows_view(v)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    else:
+        v.mul_(beta2).add_(mean_sq, alpha=1 - beta2)
+    if weight_decay > 0.0 and item.part.weight_decay:
+        x.mul_(1 - lr * weight_decay)
+    m = m_stored.float().lerp_(g, 1 - beta1)
+    if item.part.kind == "adam":
+        h = (v.sqrt() / bc2_sqrt).add_(eps)
+        x.addcdiv_(m, h, value=-lr / bc1)
+        amax = (m / h).abs().max() * (lr / bc1)
+    else:
+        h = (v.sqrt() / bc2_sqrt).add_(eps)
+        update = m * ((1 / bc1) / h)[item.block_ids][:, None] * lr
+        x.sub_(update)
+        amax = update.abs().max()
+    m_stored.copy_(m)
+    item.rows_view(item.local).copy_(x)
+    return amax.float()
