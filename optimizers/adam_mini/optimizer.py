@@ -196,7 +196,8 @@ class AdamMini(torch.optim.Optimizer):
         if momentum != self.momentum_dtype:
             warn_once(f"AdamMini: FP8 momentum needs a CUDA GPU of sm89 or later; {p.device} tensors keep "
                       "bf16 momentum")  # fmt: skip
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        # a sharded param's step runs on the host (distributed.py reads it), as torch.optim's does
+        state["step"] = torch.zeros((), dtype=torch.float32, device="cpu" if isinstance(p, DTensor) else p.device)
         if momentum == "fp8":
             state.update(new_fp8_state(p.shape, part.rows, part.cols, p.device, self.sub_block,
                                        self.fallback_capacity))  # fmt: skip
