@@ -57,9 +57,12 @@ def targets(step: int, rank: int, world: int, device: str = "cpu") -> list[torch
     return [(sum(parts) / len(mine)).to(device) for parts in zip(*mine, strict=True)]
 
 
-def sharded(world: int, build, device: str = "cpu") -> tuple[Probe, torch.optim.Optimizer]:
+def sharded(world: int, build, device: str = "cpu", hsdp: bool = False) -> tuple[Probe, torch.optim.Optimizer]:
+    """The probe under FSDP2 on ``world`` ranks (HSDP: 2 replicas of world / 2 shards) and ``build``'s
+    optimizer over its parameters."""
     model = Probe().to(device)
-    fully_shard(model, mesh=init_device_mesh(device, (world,)))
+    shape, names = ((2, world // 2), ("replicate", "shard")) if hsdp else ((world,), None)
+    fully_shard(model, mesh=init_device_mesh(device, shape, mesh_dim_names=names))
     return model, build(model.parameters())
 
 
@@ -121,20 +124,32 @@ def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: flo
     states_equal_to_one_process(rank, world, lambda ps: sharded_adam_mini(ps, momentum_dtype), backend, tol, device)
 
 
-def states_equal_to_one_process(rank: int, world: int, build, backend: str, tol: float, device: str = "cpu") -> None:
+def states_equal_to_one_process(rank: int, world: int, build, backend: str, tol: float, device: str = "cpu",
+                                hsdp: bool = False) -> None:  # fmt: skip
     """4 steps of ``build``'s optimizer at ``world`` ranks against one process: params and every
-    state within ``tol`` (normwise relative; 0: bitwise); replicated states compared whole."""
+    state within ``tol`` (normwise relative; 0: bitwise); replicated states compared whole. HSDP:
+    each replica's shards are compared (rank r holds shard r mod world / 2)."""
     os.environ["KERNEL_FACTORY_BACKEND"] = backend
     if device == "cuda":
         torch.cuda.set_device(0)
     same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a.float(), b.float(), tol).passed)
-    model, opt = sharded(world, build, device)
+    model, opt = sharded(world, build, device, hsdp)
+    shards = world // 2 if hsdp else world
+    rank_in_shards = rank % shards
     for step in range(4):
         fsdp_step(model, opt, step, rank, world)
     ref, ref_opt = one_process(build, 4, device)
     for i, (p, q) in enumerate(zip(model.params, ref.params, strict=True)):
-        assert same(local(p), shard_of(q, rank, world)), i
+        assert same(local(p), shard_of(q, rank_in_shards, shards)), i
         for key, value in ref_opt.state[q].items():
             ours = opt.state[p][key]
             whole = key == "step" or all(pl.is_replicate() for pl in ours.placements)
-            assert same(local(ours), value if whole else shard_of(value, rank, world)), (i, key)
+            assert same(local(ours), value if whole else shard_of(value, rank_in_shards, shards)), (i, key)
+
+
+def hsdp_equal_to_one_process(rank: int, world: int) -> None:
+    """AdamW (bitwise, our kernel under the interpreter), Muon (bitwise, the reference path) and
+    AdamMini (1e-6) on HSDP's (Replicate, Shard(0)) parameters against one process."""
+    states_equal_to_one_process(rank, world, OPTIMIZERS["AdamW"], "triton", 0.0, hsdp=True)
+    states_equal_to_one_process(rank, world, SHARDED_MUON, "torch", 0.0, hsdp=True)
+    states_equal_to_one_process(rank, world, sharded_adam_mini, "auto", 1e-6, hsdp=True)

@@ -24,6 +24,7 @@ from fsdp_probe import (
     adam_mini_equal_to_one_process,
     equal_to_one_process,
     fsdp_step,
+    hsdp_equal_to_one_process,
     muon_equal_to_one_process,
     sharded,
     sharded_adam_mini,
@@ -70,6 +71,11 @@ def test_adam_mini_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
     """Every block kind, heads split across ranks at 4; fp32 momentum. Only the order of the block
     sums of g² differs from one process (a partial sum per rank, then the all-reduce)."""
     run_ranks(world, adam_mini_equal_to_one_process, "auto", 1e-6)
+
+
+def test_hsdp_replicas_step_their_shards_like_one_process():
+    """2 replicas x 2 shards: the shard group's reductions and exchanges leave the replicate dim out."""
+    run_ranks(4, hsdp_equal_to_one_process)
 
 
 def _save(rank: int, world: int, path: str, name: str) -> None:
