@@ -60,10 +60,11 @@ def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol):
 
 # The optimizers a checkpoint is tested with, on a path whose arithmetic does not depend on an
 # element's position (module docstring): AdamW's kernel under the interpreter; Muon's reference.
-# AdamMini (bf16 momentum: its dtype must survive the load) sums its blocks' g² in an order that
-# depends on the world size: held to 1e-6 after the resumed step.
+# AdamMini (FP8 and bf16 momentum: its dtype must survive the load, FP8's scales reshard) sums its
+# blocks' g² in an order that depends on the world size: held to 1e-6 after the resumed step.
 CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_MUON, "torch", 0.0),
-                "AdamMini": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6)}  # fmt: skip
+                "AdamMini-fp8": (lambda ps: sharded_adam_mini(ps, "fp8"), "auto", 1e-6),
+                "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6)}  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -99,8 +100,9 @@ def _load_and_step(rank: int, world: int, path: str, name: str) -> None:
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert all(float(s["step"]) == 3 for s in opt.state.values() if "step" in s)
-    if name == "AdamMini":
-        assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
+    if name.startswith("AdamMini"):  # FP8 on matrices; bf16 on the vectors, split inside their one row
+        expected = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}[name[-4:].lstrip("-")]
+        assert {s["exp_avg"].dtype for p, s in opt.state.items() if p.dim() >= 2} == {expected}
     fsdp_step(model, opt, 3, rank, world)
     full = [p.full_tensor() for p in model.params]
     expected = torch.load(os.path.join(path, "after_next_step.pt"))

@@ -11,8 +11,14 @@ every rank: a ``Replicate`` DTensor of shape [blocks], whatever the world size, 
 it exactly; plain Adam's (biases) is elementwise, a DTensor like the param, as is the momentum.
 
 The math is the reference step's (``reference.py``) on the local rows; only the order of the
-block sums differs from one process's (fp32, about log2(n) ulps of the mean). FP8 momentum keeps
-a pool shared by a parameter's rows and does not take sharded parameters yet.
+block sums differs from one process's (fp32, about log2(n) ulps of the mean).
+
+FP8 momentum (``fp8.py``'s layout) shards with the rows: the E4M3 codes are a DTensor like the
+param, the per-sub-block scales a DTensor of global shape [R, ceil(C / sub_block)] split like the
+rows (sub-blocks never cross rows), so both reshard exactly. The bf16 fallback pool is left out:
+its slots are handed out per parameter in row order, which would make it depend on the world
+size; a sub-block that would fall back stays FP8 and counts as an overflow (``overflow_total``).
+A sharded vector (one row, split across sub-blocks) keeps bf16 momentum.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .fp8 import dequantize, fp8_layout, quantize_
 from .partition import ParamPartition
 
 
@@ -43,11 +50,33 @@ def replicated_zeros(p: DTensor, n: int) -> DTensor:
     return DTensor.from_local(local, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
 
 
-class ShardedParam:
-    """One DTensor parameter's local rows and their blocks."""
+def sharded_fp8_state(p: DTensor, part: ParamPartition, sub_block: int) -> dict[str, DTensor]:
+    """Zero FP8 momentum of a sharded matrix: codes like ``p``, scales [R, per row] split like its rows."""
+    per_row = fp8_layout(part.rows, part.cols, sub_block, 1.0)[0]
+    rows_here = p.to_local().shape[0]
+    scale = torch.zeros((rows_here, per_row), dtype=torch.float32, device=p.to_local().device)
+    return {
+        "exp_avg": torch.zeros_like(p, dtype=torch.float8_e4m3fn),
+        "exp_avg_scale": DTensor.from_local(scale, p.device_mesh, p.placements, run_check=False,
+                                            shape=(part.rows, per_row), stride=(per_row, 1)),  # fmt: skip
+    }
 
-    def __init__(self, p: DTensor, part: ParamPartition) -> None:
-        self.p, self.part = p, part
+
+def _fp8_view(state: dict, sub_block: int, device) -> dict[str, Tensor]:
+    """The local FP8 state as ``fp8.quantize_`` / ``dequantize`` take it, with an empty pool."""
+    return {
+        "exp_avg": state["exp_avg"].to_local(),
+        "exp_avg_scale": state["exp_avg_scale"].to_local(),
+        "exp_avg_pool": torch.empty((2, 0, sub_block), dtype=torch.bfloat16, device=device),
+        "exp_avg_pool_used": torch.zeros(2, dtype=torch.int32, device=device),
+    }
+
+
+class ShardedParam:
+    """One DTensor parameter's local rows and their blocks (``sub_block``: its FP8 sub-block size)."""
+
+    def __init__(self, p: DTensor, part: ParamPartition, sub_block: int) -> None:
+        self.p, self.part, self.sub_block = p, part, sub_block
         self.group, world, rank = row_split(p)
         dim0 = p.shape[0]
         per_rank = -(-dim0 // world)
@@ -76,9 +105,11 @@ class ShardedParam:
 
 
 def sharded_adam_mini_step(items: list[ShardedParam], grads: list[Tensor], states: list[dict], *, lr: float,
-                           beta1: float, beta2: float, eps: float, weight_decay: float) -> Tensor:  # fmt: skip
+                           beta1: float, beta2: float, eps: float,
+                           weight_decay: float) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """One Adam-mini step of sharded params (``items``) with local ``grads``; returns this rank's
-    largest |update| (0-d fp32). One all-reduce per shard group carries every block sum."""
+    largest |update| (0-d fp32) and its FP8 overflows (0-d int64; None without FP8 momentum). One
+    all-reduce per shard group carries every block sum."""
     sums: dict[int, list[int]] = {}
     partials = []
     for i, (item, g) in enumerate(zip(items, grads, strict=True)):
@@ -92,23 +123,36 @@ def sharded_adam_mini_step(items: list[ShardedParam], grads: list[Tensor], state
         for i, chunk in zip(members, flat.split([partials[i].numel() for i in members]), strict=True):
             means[i] = chunk / items[i].block_numel
     amax = torch.zeros((), dtype=torch.float32, device=items[0].local.device)
+    overflow = None
     for i, (item, g, state) in enumerate(zip(items, grads, states, strict=True)):
-        amax = torch.maximum(amax, _step_local(item, g, state, means.get(i), lr, beta1, beta2, eps, weight_decay))
-    return amax
+        a, o = _step_local(item, g, state, means.get(i), lr, beta1, beta2, eps, weight_decay)
+        amax = torch.maximum(amax, a)
+        if o is not None:
+            overflow = o if overflow is None else overflow + o
+    return amax, overflow
 
 
 def _step_local(item: ShardedParam, grad: Tensor, state: dict, mean_sq: Tensor | None, lr, beta1, beta2, eps,
-                weight_decay) -> Tensor:  # fmt: skip
-    """``reference.adam_mini_reference_step``'s math on the local rows, with the blocks' mean g²."""
+                weight_decay) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """``reference.adam_mini_reference_step``'s math on the local rows, with the blocks' mean g²;
+    returns (largest |update|, FP8 overflows or None)."""
     step = int(state["step"].item()) + 1
     state["step"].add_(1)
+    fp8 = state["exp_avg"].dtype == torch.float8_e4m3fn
+    device = item.local.device
     if not item.local.numel():
         if mean_sq is not None:  # the replicated second moments advance on every rank alike
             state["exp_avg_sq"].to_local().mul_(beta2).add_(mean_sq, alpha=1 - beta2)
-        return torch.zeros((), device=item.local.device)
+        return torch.zeros((), device=device), torch.zeros((), dtype=torch.int64, device=device) if fp8 else None
     g = item.rows_view(grad).float()
     x = item.rows_view(item.local).float()
-    m_stored = item.rows_view(state["exp_avg"].to_local())
+    if fp8:
+        codes = _fp8_view(state, item.sub_block, device)
+        m_stored = None
+        m_old = dequantize(codes, g.shape[0], g.shape[1], read_half=0)
+    else:
+        m_stored = item.rows_view(state["exp_avg"].to_local())
+        m_old = m_stored.float()
     v = state["exp_avg_sq"].to_local()
     bc1, bc2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
     if item.part.kind == "adam":
@@ -118,7 +162,7 @@ def _step_local(item: ShardedParam, grad: Tensor, state: dict, mean_sq: Tensor |
         v.mul_(beta2).add_(mean_sq, alpha=1 - beta2)
     if weight_decay > 0.0 and item.part.weight_decay:
         x.mul_(1 - lr * weight_decay)
-    m = m_stored.float().lerp_(g, 1 - beta1)
+    m = m_old.lerp_(g, 1 - beta1)
     if item.part.kind == "adam":
         h = (v.sqrt() / bc2_sqrt).add_(eps)
         x.addcdiv_(m, h, value=-lr / bc1)
@@ -128,6 +172,11 @@ def _step_local(item: ShardedParam, grad: Tensor, state: dict, mean_sq: Tensor |
         update = m * ((1 / bc1) / h)[item.block_ids][:, None] * lr
         x.sub_(update)
         amax = update.abs().max()
-    m_stored.copy_(m)
+    overflow = None
+    if fp8:
+        overflow = quantize_(codes, m, write_half=0)[1]
+    else:
+        m_stored.copy_(m)
     item.rows_view(item.local).copy_(x)
-    return amax.float()
+    return amax.float(), overflow
+

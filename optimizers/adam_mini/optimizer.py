@@ -31,7 +31,7 @@ from ..shared.checks import (
 from ..shared.dtensor import DTensor
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
-from .distributed import ShardedParam, replicated_zeros, row_split, sharded_adam_mini_step
+from .distributed import ShardedParam, replicated_zeros, row_split, sharded_adam_mini_step, sharded_fp8_state
 from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
 from .plan import AdamMiniTritonPlan
@@ -176,29 +176,32 @@ class AdamMini(torch.optim.Optimizer):
         return rows
 
     def _momentum_name(self, p: Tensor) -> str:
-        if self.momentum_dtype == "fp8" and not fp8_supported(p.device):
-            return "bf16"
-        return self.momentum_dtype
+        """The momentum dtype ``p`` gets: FP8 needs the kernels' sm89+ GPU, except on a sharded
+        matrix, which PyTorch ops step on any device; a sharded vector (split inside its one row,
+        across FP8 sub-blocks) keeps bf16."""
+        if self.momentum_dtype != "fp8":
+            return self.momentum_dtype
+        if isinstance(p, DTensor):
+            return "fp8" if p.dim() >= 2 else "bf16"
+        return "fp8" if fp8_supported(p.device) else "bf16"
 
     def _check_sharded(self, p: DTensor) -> None:
-        """TypeError for a DTensor layout the sharded step does not take; ValueError for FP8 momentum
-        (its fallback pool is shared by a parameter's rows) on a DTensor parameter."""
+        """TypeError for a DTensor layout the sharded step does not take."""
         row_split(p)
-        if self._momentum_name(p) == "fp8":
-            raise ValueError(f"AdamMini's FP8 momentum does not take DTensor parameters yet ({self._parts[id(p)].name}"
-                             "): use momentum_dtype='bf16' or 'fp32' under FSDP2")  # fmt: skip
 
     def _init_state(self, p: Tensor, part: ParamPartition) -> dict:
         state = self.state[p]
         if "step" in state:
             return state
         momentum = self._momentum_name(p)
-        if momentum != self.momentum_dtype:
+        if momentum != self.momentum_dtype and not isinstance(p, DTensor):
             warn_once(f"AdamMini: FP8 momentum needs a CUDA GPU of sm89 or later; {p.device} tensors keep "
                       "bf16 momentum")  # fmt: skip
         # a sharded param's step runs on the host (distributed.py reads it), as torch.optim's does
         state["step"] = torch.zeros((), dtype=torch.float32, device="cpu" if isinstance(p, DTensor) else p.device)
-        if momentum == "fp8":
+        if momentum == "fp8" and isinstance(p, DTensor):  # codes like the param, scales [R, per row]
+            state.update(sharded_fp8_state(p, part, self.sub_block))
+        elif momentum == "fp8":
             state.update(new_fp8_state(p.shape, part.rows, part.cols, p.device, self.sub_block,
                                        self.fallback_capacity))  # fmt: skip
         else:
@@ -285,14 +288,16 @@ class AdamMini(torch.optim.Optimizer):
             self._init_state(p, part)
             cached = self._sharded.get(id(p))
             if cached is None or cached.p is not p:
-                cached = self._sharded[id(p)] = ShardedParam(p, part)
+                cached = self._sharded[id(p)] = ShardedParam(p, part, self.sub_block)
             items.append(cached)
         grads = checked_grads(params)
         beta1, beta2 = (float(b) for b in group["betas"])
-        amax = sharded_adam_mini_step(items, grads, [self.state[p] for p in params], lr=float(group["lr"]),
-                                      beta1=beta1, beta2=beta2, eps=group["eps"],
-                                      weight_decay=group["weight_decay"])  # fmt: skip
+        amax, overflow = sharded_adam_mini_step(items, grads, [self.state[p] for p in params], lr=float(group["lr"]),
+                                                beta1=beta1, beta2=beta2, eps=group["eps"],
+                                                weight_decay=group["weight_decay"])  # fmt: skip
         self.telemetry.add("amax_update", amax)
+        if overflow is not None:
+            self.telemetry.add("overflow_total", overflow)
 
     def _watch_plan(self, plan: AdamMiniTritonPlan) -> None:
         """This step's counters, kept by the plan's kernels, read by the telemetry when asked
