@@ -8,7 +8,10 @@ each rank adds g² over its part of every block, one all-reduce per shard group 
 that splits the rows; HSDP's replicas hold copies) sums all parameters' partial sums at once,
 and the sum is divided by the block's size. The second moments of blocks are then the same on
 every rank: a ``Replicate`` DTensor of shape [blocks], whatever the world size, so DCP reshards
-it exactly; plain Adam's (biases) is elementwise, a DTensor like the param, as is the momentum.
+it exactly. Where every row is a block (kind ``row``: V, attention output, MLP, embeddings), a
+rank holds its blocks whole: their second moments are an [R] DTensor split like the rows, formed
+with no collective. Plain Adam's (biases) is elementwise, a DTensor like the param, as is the
+momentum.
 
 The math is the reference step's (``reference.py``) on the local rows; only the order of the
 block sums differs from one process's (fp32, about log2(n) ulps of the mean).
@@ -44,9 +47,22 @@ def row_split(p: DTensor):
     return mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
 
 
-def replicated_zeros(p: DTensor, n: int) -> DTensor:
-    """A [n] fp32 ``Replicate`` DTensor of zeros on ``p``'s mesh (one value per block)."""
-    local = torch.zeros(n, dtype=torch.float32, device=p.to_local().device)
+def rows_are_blocks(p: DTensor, part: ParamPartition) -> bool:
+    """Whether every row of sharded ``p`` is a block (kind ``row``, a matrix): then each rank holds
+    its blocks whole and keeps their second moments, sharded like the rows, with no collective."""
+    return part.kind == "row" and p.dim() >= 2
+
+
+def second_moment_zeros(p: DTensor, part: ParamPartition) -> DTensor:
+    """Zero second moments of sharded ``p``: per element like ``p`` (plain Adam); per row [R] split
+    like the rows (``rows_are_blocks``); else per block, [blocks] replicated on ``p``'s mesh."""
+    if part.kind == "adam":
+        return torch.zeros_like(p, dtype=torch.float32)
+    device = p.to_local().device
+    if rows_are_blocks(p, part):
+        local = torch.zeros(p.to_local().shape[0], dtype=torch.float32, device=device)
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=(part.rows,), stride=(1,))
+    local = torch.zeros(part.blocks, dtype=torch.float32, device=device)
     return DTensor.from_local(local, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
 
 
@@ -87,6 +103,9 @@ class ShardedParam:
         bounds = part.block_rows()
         block_of_row = torch.bucketize(torch.arange(part.rows), torch.tensor(bounds[1:]), right=True)
         self.block_ids = block_of_row[list(rows)].to(self.local.device)  # (local rows,)
+        self.rows_local = rows_are_blocks(p, part)
+        # where each local row's second moment sits in the local second-moment tensor
+        self.v_index = torch.arange(len(rows), device=self.local.device) if self.rows_local else self.block_ids
         sizes = torch.tensor([(b - a) * part.cols for a, b in zip(bounds, bounds[1:], strict=False)],
                              dtype=torch.float32)  # fmt: skip
         self.block_numel = sizes.to(self.local.device)  # elements per block, whole
@@ -104,28 +123,37 @@ class ShardedParam:
         return out
 
 
-def sharded_adam_mini_step(items: list[ShardedParam], grads: list[Tensor], states: list[dict], *, lr: float,
-                           beta1: float, beta2: float, eps: float,
-                           weight_decay: float) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """One Adam-mini step of sharded params (``items``) with local ``grads``; returns this rank's
-    largest |update| (0-d fp32) and its FP8 overflows (0-d int64; None without FP8 momentum). One
-    all-reduce per shard group carries every block sum."""
-    sums: dict[int, list[int]] = {}
-    partials = []
+def block_mean_sq(items: list[ShardedParam], grads: list[Tensor]) -> list[Tensor | None]:
+    """Each sharded param's blocks' mean g² with its local ``grads``: [rows here] where rows are
+    blocks (no collective), else [blocks] after one all-reduce per shard group that carries every
+    such param's partial sums (call it once per step for all groups); None for plain Adam."""
+    means: list[Tensor | None] = [None] * len(items)
+    pending: dict[int, list[int]] = {}
+    partials: dict[int, Tensor] = {}
     for i, (item, g) in enumerate(zip(items, grads, strict=True)):
-        if item.part.kind != "adam":
-            sums.setdefault(id(item.group), []).append(i)
-        partials.append(item.partial_sq_sums(g) if item.part.kind != "adam" else None)
-    means: dict[int, Tensor] = {}
-    for members in sums.values():
+        if item.rows_local:
+            means[i] = (item.rows_view(g).float() ** 2).mean(dim=1) if item.local.numel() else g.new_zeros(0).float()
+        elif item.part.kind != "adam":
+            partials[i] = item.partial_sq_sums(g)
+            pending.setdefault(id(item.group), []).append(i)
+    for members in pending.values():
         flat = torch.cat([partials[i] for i in members])
         dist.all_reduce(flat, group=items[members[0]].group)
         for i, chunk in zip(members, flat.split([partials[i].numel() for i in members]), strict=True):
             means[i] = chunk / items[i].block_numel
+    return means
+
+
+def sharded_adam_mini_step(items: list[ShardedParam], grads: list[Tensor], states: list[dict],
+                           means: list[Tensor | None], *, lr: float, beta1: float, beta2: float, eps: float,
+                           weight_decay: float) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """One Adam-mini step of one group's sharded params (``items``) with local ``grads`` and their
+    blocks' ``means`` (``block_mean_sq``); returns this rank's largest |update| (0-d fp32) and its
+    FP8 overflows (0-d int64; None without FP8 momentum)."""
     amax = torch.zeros((), dtype=torch.float32, device=items[0].local.device)
     overflow = None
-    for i, (item, g, state) in enumerate(zip(items, grads, states, strict=True)):
-        a, o = _step_local(item, g, state, means.get(i), lr, beta1, beta2, eps, weight_decay)
+    for item, g, state, mean_sq in zip(items, grads, states, means, strict=True):
+        a, o = _step_local(item, g, state, mean_sq, lr, beta1, beta2, eps, weight_decay)
         amax = torch.maximum(amax, a)
         if o is not None:
             overflow = o if overflow is None else overflow + o
@@ -169,7 +197,7 @@ def _step_local(item: ShardedParam, grad: Tensor, state: dict, mean_sq: Tensor |
         amax = (m / h).abs().max() * (lr / bc1)
     else:
         h = (v.sqrt() / bc2_sqrt).add_(eps)
-        update = m * ((1 / bc1) / h)[item.block_ids][:, None] * lr
+        update = m * ((1 / bc1) / h)[item.v_index][:, None] * lr
         x.sub_(update)
         amax = update.abs().max()
     overflow = None

@@ -31,7 +31,14 @@ from ..shared.checks import (
 from ..shared.dtensor import DTensor
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
-from .distributed import ShardedParam, replicated_zeros, row_split, sharded_adam_mini_step, sharded_fp8_state
+from .distributed import (
+    ShardedParam,
+    block_mean_sq,
+    row_split,
+    second_moment_zeros,
+    sharded_adam_mini_step,
+    sharded_fp8_state,
+)
 from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
 from .plan import AdamMiniTritonPlan
@@ -207,9 +214,8 @@ class AdamMini(torch.optim.Optimizer):
         else:
             state["exp_avg"] = torch.zeros_like(p, dtype=MOMENTUM_DTYPES[momentum],
                                                 memory_format=torch.contiguous_format)  # fmt: skip
-        if isinstance(p, DTensor):  # per-element: like the param; per block: replicated (distributed.py)
-            state["exp_avg_sq"] = (torch.zeros_like(p, dtype=torch.float32) if part.kind == "adam"
-                                   else replicated_zeros(p, part.blocks))  # fmt: skip
+        if isinstance(p, DTensor):  # like the param, split like its rows, or replicated (distributed.py)
+            state["exp_avg_sq"] = second_moment_zeros(p, part)
             return state
         sq_shape = p.shape if part.kind == "adam" else (part.blocks,)
         state["exp_avg_sq"] = torch.zeros(sq_shape, dtype=torch.float32, device=p.device)
@@ -257,11 +263,10 @@ class AdamMini(torch.optim.Optimizer):
         warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
         first = next((p for g in self.param_groups for p in g["params"]), None)
         with self.telemetry.step(first.device if first is not None else None):
+            self._step_sharded([[p for p in g["params"] if p.grad is not None and isinstance(p, DTensor)]
+                                for g in self.param_groups])  # fmt: skip
             for index, group in enumerate(self.param_groups):
                 params = [p for p in group["params"] if p.grad is not None and not isinstance(p, DTensor)]
-                sharded = [p for p in group["params"] if p.grad is not None and isinstance(p, DTensor)]
-                if sharded:
-                    self._step_sharded(sharded, group)
                 if not params:
                     continue
                 plans, reference = self._group_plan(index, params)
@@ -280,8 +285,12 @@ class AdamMini(torch.optim.Optimizer):
                     self._record_counts(sub_blocks, out["bf16_blocks"], out["overflow"], out["amax_update"], fp8)
         return loss
 
-    def _step_sharded(self, params: list[DTensor], group: dict) -> None:
-        """FSDP2's parameters: block sums across ranks, then PyTorch ops on the local rows."""
+    def _step_sharded(self, by_group: list[list[DTensor]]) -> None:
+        """FSDP2's parameters (``by_group``: each group's with grads): the blocks' g² reduced across
+        ranks once for all groups, then PyTorch ops on the local rows, group by group."""
+        params = [p for ps in by_group for p in ps]
+        if not params:
+            return
         items = []
         for p in params:
             part = self._parts[id(p)]
@@ -291,13 +300,21 @@ class AdamMini(torch.optim.Optimizer):
                 cached = self._sharded[id(p)] = ShardedParam(p, part, self.sub_block)
             items.append(cached)
         grads = checked_grads(params)
-        beta1, beta2 = (float(b) for b in group["betas"])
-        amax, overflow = sharded_adam_mini_step(items, grads, [self.state[p] for p in params], lr=float(group["lr"]),
-                                                beta1=beta1, beta2=beta2, eps=group["eps"],
-                                                weight_decay=group["weight_decay"])  # fmt: skip
-        self.telemetry.add("amax_update", amax)
-        if overflow is not None:
-            self.telemetry.add("overflow_total", overflow)
+        means = block_mean_sq(items, grads)
+        first = 0
+        for group, ps in zip(self.param_groups, by_group, strict=True):
+            if not ps:
+                continue
+            end = first + len(ps)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            amax, overflow = sharded_adam_mini_step(
+                items[first:end], grads[first:end], [self.state[p] for p in ps], means[first:end],
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            )  # fmt: skip
+            first = end
+            self.telemetry.add("amax_update", amax)
+            if overflow is not None:
+                self.telemetry.add("overflow_total", overflow)
 
     def _watch_plan(self, plan: AdamMiniTritonPlan) -> None:
         """This step's counters, kept by the plan's kernels, read by the telemetry when asked

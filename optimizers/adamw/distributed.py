@@ -54,21 +54,12 @@ class DistributedAdamW(AdamW):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict],
-        lr: float | Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        *,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        capturable: bool = False,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        state_dtype: str | torch.dtype | None = None,
+        *args,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
+        **kwargs,
     ) -> None:
+        """``args`` and ``kwargs``: :class:`AdamW`'s (lr, betas, eps, weight_decay, amsgrad, ...)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DistributedAdamW needs torch.distributed initialized (e.g. launch with torchrun "
                                "and call init_process_group); in one process use AdamW")  # fmt: skip
@@ -78,9 +69,7 @@ class DistributedAdamW(AdamW):
         self.world, self.rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
         self._meshes: dict[str, DeviceMesh] = {}
         self._shards: dict[int, tuple[RowShard, DTensor]] = {}  # id(param) -> its layout and shard param
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
-                         capturable=capturable, differentiable=differentiable, fused=fused,
-                         state_dtype=state_dtype)  # fmt: skip
+        super().__init__(params, *args, **kwargs)
         trained = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         refuse_ddp(trained, "DistributedAdamW")
         element = max((p.element_size() for p in trained), default=4)
