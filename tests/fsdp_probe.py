@@ -166,3 +166,70 @@ def hsdp_equal_to_one_process(rank: int, world: int) -> None:
     states_equal_to_one_process(rank, world, OPTIMIZERS["AdamW"], "triton", 0.0, hsdp=True)
     states_equal_to_one_process(rank, world, SHARDED_MUON, "torch", 0.0, hsdp=True)
     states_equal_to_one_process(rank, world, sharded_adam_mini, "auto", 1e-6, hsdp=True)
+
+
+# Params on two meshes in one optimizer: a 1-D FSDP mesh of all ranks and a 2 x (world / 2) HSDP
+# mesh; the last has a non-contiguous local shard (a transposed view), as a custom layout may.
+MIXED = [("layers.0.mlp.up_proj.weight", (8, 6), "fsdp"), ("layers.0.mlp.down_proj.weight", (8, 6), "hsdp"),
+         ("layers.0.mlp.down_proj.bias", (5,), "fsdp"), ("layers.0.mlp.gate_proj.weight", (6, 4), "fsdp_t")]
+
+
+def _mixed_params(world: int, device: str = "cpu"):
+    """(DTensor params on the meshes of MIXED, their full values, the shard each rank holds)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    fsdp = init_device_mesh(device, (world,))
+    hsdp = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    gen = torch.Generator().manual_seed(7)
+    params, fulls = [], []
+    for _, shape, layout in MIXED:
+        full = torch.randn(shape, generator=gen).to(device)
+        if layout == "hsdp":
+            p = distribute_tensor(full, hsdp, [Replicate(), Shard(0)])
+        elif layout == "fsdp":
+            p = distribute_tensor(full, fsdp, [Shard(0)])
+        else:  # this rank's rows, stored transposed
+            rows = shard_of(full, fsdp.get_local_rank(), world)
+            local_t = rows.t().contiguous().t()
+            p = DTensor.from_local(local_t, fsdp, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+        params.append(torch.nn.Parameter(p))
+        fulls.append(full)
+    return params, fulls
+
+
+def mixed_meshes_equal_to_one_process(rank: int, world: int, name: str, backend: str, tol: float) -> None:
+    """3 steps of one optimizer over params on two meshes (MIXED) against one process."""
+    from torch.distributed.tensor import distribute_tensor
+
+    os.environ["KERNEL_FACTORY_BACKEND"] = backend
+    builds = {"AdamW": lambda named: AdamW([p for _, p in named], lr=1e-2, weight_decay=0.1),
+              "Muon": lambda named: Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=1e-2),
+              "AdamMini": lambda named: AdamMini(named, lr=1e-2, weight_decay=0.1, dim=6, n_heads=1,
+                                                 momentum_dtype="fp32")}  # fmt: skip
+    params, fulls = _mixed_params(world)
+    ref = [torch.nn.Parameter(f.clone()) for f in fulls]
+    opt = builds[name]([(n, p) for (n, _, _), p in zip(MIXED, params, strict=True)])
+    ref_opt = builds[name]([(n, p) for (n, _, _), p in zip(MIXED, ref, strict=True)])
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        for p, q in zip(params, ref, strict=True):
+            g = torch.randint(-1024, 1024, q.shape, generator=gen) / 1024
+            q.grad = g
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        opt.step()
+        ref_opt.step()
+    same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a, b, tol).passed)
+    for (n, _, layout), p, q in zip(MIXED, params, ref, strict=True):
+        shards = world // 2 if layout == "hsdp" else world
+        assert same(local(p), shard_of(q.detach(), rank % shards, shards)), (name, n)
+
+
+def sharded_muon_state(rank: int, world: int, path: str, device: str = "cuda") -> None:
+    """4 steps of Muon under FSDP2 at ``world`` ranks; rank 0 saves the full params to ``path``
+    (gathered through a file per rank: ``full_tensor()`` over Gloo with CUDA tensors crashes)."""
+    os.environ["KERNEL_FACTORY_BACKEND"] = "auto"
+    torch.cuda.set_device(0)
+    model, opt = sharded(world, SHARDED_MUON, device)
+    for step in range(4):
+        fsdp_step(model, opt, step, rank, world)
+    torch.save([local(p).cpu() for p in model.params], f"{path}.{world}.{rank}")

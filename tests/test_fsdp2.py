@@ -25,6 +25,7 @@ from fsdp_probe import (
     equal_to_one_process,
     fsdp_step,
     hsdp_equal_to_one_process,
+    mixed_meshes_equal_to_one_process,
     muon_equal_to_one_process,
     sharded,
     sharded_adam_mini,
@@ -77,6 +78,14 @@ def test_adam_mini_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
 def test_hsdp_replicas_step_their_shards_like_one_process():
     """2 replicas x 2 shards: the shard group's reductions and exchanges leave the replicate dim out."""
     run_ranks(4, hsdp_equal_to_one_process)
+
+
+@pytest.mark.parametrize(("name", "backend", "tol"), [("AdamW", "triton", 0.0), ("Muon", "torch", 0.0),
+                                                      ("AdamMini", "auto", 1e-6)])  # fmt: skip
+def test_one_optimizer_over_params_on_two_meshes_and_a_non_contiguous_shard(name, backend, tol):
+    """FSDP and HSDP meshes in one optimizer; a transposed local shard takes AdamW's reference path
+    (``kernel_path``), elementwise the kernel's arithmetic, so the result stays bitwise."""
+    run_ranks(4, mixed_meshes_equal_to_one_process, name, backend, tol)
 
 
 def _save(rank: int, world: int, path: str, name: str) -> None:

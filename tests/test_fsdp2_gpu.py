@@ -5,12 +5,15 @@ speed."""
 from __future__ import annotations
 
 import pytest
+import torch
 from distributed import run_ranks
 from fsdp_probe import (
     SHAPES,
     adam_mini_equal_to_one_process,
     equal_to_one_process,
     muon_equal_to_one_process,
+    shard_of,
+    sharded_muon_state,
 )
 from zero_probe import zero_equal_to_one_process
 
@@ -45,3 +48,16 @@ def test_adam_mini_fp8_under_fsdp2_on_the_gpu_is_within_parity_of_the_one_proces
     (module docstring of adam_mini/distributed.py); parity's FP8 bounds (params 1e-4, momentum
     states 100x), as between the kernel and the reference in one process."""
     run_ranks(2, adam_mini_equal_to_one_process, "auto", 1e-4, "cuda", "fp8", 1e-2)
+
+
+def test_sharded_muon_on_the_gpu_does_not_change_with_the_world_size(tmp_path):
+    """1 rank (one owner NS-es a batch of 3) and 2 ranks (batches of 2 and 1 on two owners): the
+    batched NS kernels' per-matrix arithmetic does not depend on the batch, so the bits agree."""
+    path = str(tmp_path / "muon")
+    run_ranks(1, sharded_muon_state, path)
+    run_ranks(2, sharded_muon_state, path)
+    (one,) = [torch.load(f"{path}.1.0")]
+    for rank in range(2):
+        two = torch.load(f"{path}.2.{rank}")
+        for i, (full, mine) in enumerate(zip(one, two, strict=True)):
+            assert torch.equal(shard_of(full, rank, 2), mine), (rank, i)
