@@ -226,6 +226,9 @@ class AdamMini(torch.optim.Optimizer):
         state to the parameter dtype, which would turn FP8 momentum and fp32 scales into bf16)."""
         super().load_state_dict(state_dict)
         own_loaded_state(self, state_dict, lambda p, key, saved: True)
+        for p, state in self.state.items():  # a sharded param's step stays on the host (_init_state)
+            if isinstance(p, DTensor) and "step" in state:
+                state["step"] = state["step"].cpu()
         self._plans = {}  # the plans' pointer tables point at the replaced tensors
 
     def _path(self, p: Tensor) -> str:
