@@ -1,7 +1,9 @@
 """The distributed layer's cost per training iteration, per rank: step time, exposed communication
-and peak memory, for FSDP2 + each of our optimizers (AdamW, AdamMini with bf16 momentum, Muon),
+and peak memory, for FSDP2 + each of our optimizers (AdamW, AdamMini with FP8 momentum, Muon),
 FSDP2 + torch's fused AdamW, our ZeRO-2 DistributedAdamW and DDP + torch's fused AdamW, on a
-Llama-shaped model (benchmarks/convergence/model.py).
+Llama-shaped model (benchmarks/convergence/model.py); and, for the per-rank step against one GPU,
+each of our optimizers on the unwrapped model (``1gpu+...``: the whole model on every rank, no
+communication; at N ranks compare with the FSDP2 step over 1/N of it).
 
     torchrun --nproc_per_node 8 benchmarks/bench_dist.py        # NCCL, one GPU per rank
     python benchmarks/bench_dist.py                              # one rank (correct, not telling)
@@ -34,7 +36,8 @@ from benchmarks.convergence.model import ModelConfig, TinyLlama  # noqa: E402
 from kernel_factory.optimizers import AdamMini, AdamW, DistributedAdamW, Muon  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_dist"
-CONFIGS = ("fsdp2+ours", "fsdp2+adam_mini", "fsdp2+muon", "fsdp2+torch_fused", "zero2_ours", "ddp+torch_fused")
+CONFIGS = ("fsdp2+ours", "fsdp2+adam_mini", "fsdp2+muon", "fsdp2+torch_fused", "zero2_ours", "ddp+torch_fused",
+           "1gpu+ours", "1gpu+adam_mini", "1gpu+muon")
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -61,19 +64,22 @@ def build(config: str, model_config: ModelConfig, device: torch.device, world: i
 
     torch.manual_seed(0)
     model = TinyLlama(model_config).to(device=device, dtype=torch.bfloat16)
-    if config.startswith("fsdp2"):
+    c = model_config
+    ours = {"ours": lambda: AdamW(model.parameters(), **HYPER),
+            "adam_mini": lambda: AdamMini(model.named_parameters(), dim=c.dim, n_heads=c.n_heads,
+                                          n_kv_heads=c.n_kv_heads, **HYPER),
+            "muon": lambda: Muon(model.named_parameters(), lr=0.02, weight_decay=0.1, adamw_lr=HYPER["lr"]),
+            }  # fmt: skip
+    wrap, _, name = config.partition("+")
+    if wrap == "1gpu":
+        return model, ours[name]()
+    if wrap == "fsdp2":
         mesh = init_device_mesh("cuda", (world,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        if config == "fsdp2+ours":
-            return model, AdamW(model.parameters(), **HYPER)
-        if config == "fsdp2+adam_mini":  # FP8 momentum does not take sharded parameters yet
-            c = model_config
-            return model, AdamMini(model.named_parameters(), dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
-                                   momentum_dtype="bf16", **HYPER)  # fmt: skip
-        if config == "fsdp2+muon":
-            return model, Muon(model.named_parameters(), lr=0.02, weight_decay=0.1, adamw_lr=HYPER["lr"])
+        if name in ours:
+            return model, ours[name]()
         return model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
     if config == "zero2_ours":
         return model, DistributedAdamW(model.parameters(), **HYPER)

@@ -123,14 +123,19 @@ def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: flo
     ``state_tol``); the blocks' second moments are replicated, compared whole. With FP8 momentum
     only the matrices are compared: sharded vectors keep bf16 momentum where one process has FP8."""
     matrices = (lambda q: q.dim() >= 2) if momentum_dtype == "fp8" else (lambda q: True)
-    states_equal_to_one_process(rank, world, lambda ps: sharded_adam_mini(ps, momentum_dtype), backend, tol, device,
-                                state_tol=state_tol, compared=matrices)  # fmt: skip
+    opt = states_equal_to_one_process(rank, world, lambda ps: sharded_adam_mini(ps, momentum_dtype), backend, tol,
+                                      device, state_tol=state_tol, compared=matrices)  # fmt: skip
+    if device == "cuda" or backend == "triton":  # every param took the fused kernel (sharded_plan.py)
+        stepped = [p for key, (_, plans, _) in opt._plans.items() if key[0] == "sharded" for plan in plans
+                   for p in plan.params]  # fmt: skip
+        assert len(stepped) == len(SHAPES), len(stepped)
 
 
 def states_equal_to_one_process(rank: int, world: int, build, backend: str, tol: float, device: str = "cpu",
                                 hsdp: bool = False, state_tol: float | None = None,
-                                compared=lambda q: True) -> None:  # fmt: skip
-    """4 steps of ``build``'s optimizer at ``world`` ranks against one process: params within
+                                compared=lambda q: True) -> torch.optim.Optimizer:  # fmt: skip
+    """4 steps of ``build``'s optimizer at ``world`` ranks against one process (returns the sharded
+    optimizer): params within
     ``tol`` and every state the sharded optimizer keeps within ``state_tol`` (default ``tol``;
     normwise relative, 0: bitwise), for the one-process params ``q`` where ``compared(q)``;
     replicated states compared whole. HSDP: each replica's shards are compared (rank r holds
@@ -158,6 +163,7 @@ def states_equal_to_one_process(rank: int, world: int, build, backend: str, tol:
             ours = opt.state[p][key]
             whole = key == "step" or all(pl.is_replicate() for pl in ours.placements)
             assert same_state(local(ours), value if whole else shard_of(value, rank_in_shards, shards)), (i, key)
+    return opt
 
 
 def hsdp_equal_to_one_process(rank: int, world: int) -> None:

@@ -62,17 +62,20 @@ def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol):
 # The optimizers a checkpoint is tested with, on a path whose arithmetic does not depend on an
 # element's position (module docstring): AdamW's kernel under the interpreter; Muon's reference.
 # AdamMini (FP8 and bf16 momentum: its dtype must survive the load, FP8's scales reshard) sums its
-# blocks' g² in an order that depends on the world size: held to 1e-6 after the resumed step.
+# blocks' g² in an order that depends on the world size: held to 1e-6 after the resumed step. FP8 and
+# bf16 take PyTorch ops on CPU; fp32 momentum takes the fused kernel under the interpreter.
 CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_MUON, "torch", 0.0),
                 "AdamMini-fp8": (lambda ps: sharded_adam_mini(ps, "fp8"), "auto", 1e-6),
-                "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6)}  # fmt: skip
+                "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6),
+                "AdamMini-fp32": (lambda ps: sharded_adam_mini(ps, "fp32"), "triton", 1e-6)}  # fmt: skip
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])  # PyTorch ops on CPU; the fused kernel (interpreter)
 @pytest.mark.parametrize("world", [2, 4])
-def test_adam_mini_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
+def test_adam_mini_under_fsdp2_is_within_1e6_of_the_one_process_step(world, backend):
     """Every block kind, heads split across ranks at 4; fp32 momentum. Only the order of the block
     sums of g² differs from one process (a partial sum per rank, then the all-reduce)."""
-    run_ranks(world, adam_mini_equal_to_one_process, "auto", 1e-6)
+    run_ranks(world, adam_mini_equal_to_one_process, backend, 1e-6)
 
 
 def test_hsdp_replicas_step_their_shards_like_one_process():
@@ -110,7 +113,7 @@ def _load_and_step(rank: int, world: int, path: str, name: str) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert all(float(s["step"]) == 3 for s in opt.state.values() if "step" in s)
     if name.startswith("AdamMini"):  # FP8 on matrices; bf16 on the vectors, split inside their one row
-        expected = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}[name[-4:].lstrip("-")]
+        expected = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[name[-4:].lstrip("-")]
         assert {s["exp_avg"].dtype for p, s in opt.state.items() if p.dim() >= 2} == {expected}
     fsdp_step(model, opt, 3, rank, world)
     full = [p.full_tensor() for p in model.params]

@@ -13,8 +13,10 @@ rank holds its blocks whole: their second moments are an [R] DTensor split like 
 with no collective. Plain Adam's (biases) is elementwise, a DTensor like the param, as is the
 momentum.
 
-The math is the reference step's (``reference.py``) on the local rows; only the order of the
-block sums differs from one process's (fp32, about log2(n) ulps of the mean).
+On CUDA (and under the interpreter with the ``triton`` backend) the local rows step through the
+fused kernel (``sharded_plan.py``); elsewhere the math is the reference step's (``reference.py``)
+in PyTorch ops. Either way only the order of the block sums differs from one process's (fp32,
+about log2(n) ulps of the mean).
 
 FP8 momentum (``fp8.py``'s layout) shards with the rows: the E4M3 codes are a DTensor like the
 param, the per-sub-block scales a DTensor of global shape [R, ceil(C / sub_block)] split like the
@@ -78,14 +80,16 @@ def sharded_fp8_state(p: DTensor, part: ParamPartition, sub_block: int) -> dict[
     }
 
 
-def _fp8_view(state: dict, sub_block: int, device) -> dict[str, Tensor]:
-    """The local FP8 state as ``fp8.quantize_`` / ``dequantize`` take it, with an empty pool."""
-    return {
-        "exp_avg": state["exp_avg"].to_local(),
-        "exp_avg_scale": state["exp_avg_scale"].to_local(),
-        "exp_avg_pool": torch.empty((2, 0, sub_block), dtype=torch.bfloat16, device=device),
-        "exp_avg_pool_used": torch.zeros(2, dtype=torch.int32, device=device),
-    }
+def local_state_view(state: dict, sub_block: int, device) -> dict[str, Tensor]:
+    """A sharded param's state with local tensors (``step`` as it is), as one process keeps it:
+    FP8 momentum with a bf16 pool of 0 slots, as ``fp8.quantize_`` / ``dequantize`` and the kernel
+    take it."""
+    view = {key: state[key].to_local() for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale") if key in state}
+    view["step"] = state["step"]
+    if "exp_avg_scale" in state:
+        view["exp_avg_pool"] = torch.empty((2, 0, sub_block), dtype=torch.bfloat16, device=device)
+        view["exp_avg_pool_used"] = torch.zeros(2, dtype=torch.int32, device=device)
+    return view
 
 
 class ShardedParam:
@@ -102,7 +106,8 @@ class ShardedParam:
         rows = range(0, 1 if end > start else 0) if self.vector else range(start, end)
         bounds = part.block_rows()
         block_of_row = torch.bucketize(torch.arange(part.rows), torch.tensor(bounds[1:]), right=True)
-        self.block_ids = block_of_row[list(rows)].to(self.local.device)  # (local rows,)
+        self.block_ids_host = block_of_row[list(rows)].tolist()  # the block of each local row
+        self.block_ids = torch.tensor(self.block_ids_host, dtype=torch.int64, device=self.local.device)
         self.rows_local = rows_are_blocks(p, part)
         # where each local row's second moment sits in the local second-moment tensor
         self.v_index = torch.arange(len(rows), device=self.local.device) if self.rows_local else self.block_ids
@@ -123,24 +128,25 @@ class ShardedParam:
         return out
 
 
-def block_mean_sq(items: list[ShardedParam], grads: list[Tensor]) -> list[Tensor | None]:
-    """Each sharded param's blocks' mean g² with its local ``grads``: [rows here] where rows are
-    blocks (no collective), else [blocks] after one all-reduce per shard group that carries every
-    such param's partial sums (call it once per step for all groups); None for plain Adam."""
-    means: list[Tensor | None] = [None] * len(items)
+def row_mean_sq(item: ShardedParam, g: Tensor) -> Tensor:
+    """Mean g² of each local row of a param whose rows are blocks (``rows_are_blocks``): [rows here]."""
+    return (item.rows_view(g).float() ** 2).mean(dim=1) if item.local.numel() else g.new_zeros(0).float()
+
+
+def reduce_block_sums(sums: list[tuple[ShardedParam, Tensor]]) -> dict[int, Tensor]:
+    """The blocks' mean g² of each (param, this rank's Σ g² over its part of each block [blocks]),
+    by ``id`` of the ShardedParam: one all-reduce per shard group carries every param's sums (call
+    it once per step, for all param groups)."""
     pending: dict[int, list[int]] = {}
-    partials: dict[int, Tensor] = {}
-    for i, (item, g) in enumerate(zip(items, grads, strict=True)):
-        if item.rows_local:
-            means[i] = (item.rows_view(g).float() ** 2).mean(dim=1) if item.local.numel() else g.new_zeros(0).float()
-        elif item.part.kind != "adam":
-            partials[i] = item.partial_sq_sums(g)
-            pending.setdefault(id(item.group), []).append(i)
+    for i, (item, _) in enumerate(sums):
+        pending.setdefault(id(item.group), []).append(i)
+    means = {}
     for members in pending.values():
-        flat = torch.cat([partials[i] for i in members])
-        dist.all_reduce(flat, group=items[members[0]].group)
-        for i, chunk in zip(members, flat.split([partials[i].numel() for i in members]), strict=True):
-            means[i] = chunk / items[i].block_numel
+        flat = torch.cat([sums[i][1] for i in members])
+        dist.all_reduce(flat, group=sums[members[0]][0].group)
+        flat /= torch.cat([sums[i][0].block_numel for i in members])
+        for i, chunk in zip(members, flat.split([sums[i][1].numel() for i in members]), strict=True):
+            means[id(sums[i][0])] = chunk
     return means
 
 
@@ -148,8 +154,8 @@ def sharded_adam_mini_step(items: list[ShardedParam], grads: list[Tensor], state
                            means: list[Tensor | None], *, lr: float, beta1: float, beta2: float, eps: float,
                            weight_decay: float) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """One Adam-mini step of one group's sharded params (``items``) with local ``grads`` and their
-    blocks' ``means`` (``block_mean_sq``); returns this rank's largest |update| (0-d fp32) and its
-    FP8 overflows (0-d int64; None without FP8 momentum)."""
+    blocks' ``means`` of g² (``row_mean_sq``, ``reduce_block_sums``; None for plain Adam); returns
+    this rank's largest |update| (0-d fp32) and its FP8 overflows (0-d int64; None without FP8 momentum)."""
     amax = torch.zeros((), dtype=torch.float32, device=items[0].local.device)
     overflow = None
     for item, g, state, mean_sq in zip(items, grads, states, means, strict=True):
@@ -175,7 +181,7 @@ def _step_local(item: ShardedParam, grad: Tensor, state: dict, mean_sq: Tensor |
     g = item.rows_view(grad).float()
     x = item.rows_view(item.local).float()
     if fp8:
-        codes = _fp8_view(state, item.sub_block, device)
+        codes = local_state_view(state, item.sub_block, device)
         m_stored = None
         m_old = dequantize(codes, g.shape[0], g.shape[1], read_half=0)
     else:

@@ -28,12 +28,13 @@ from ..shared.checks import (
     evaluate_closure,
     warn_if_nothing_stepped,
 )
-from ..shared.dtensor import DTensor
+from ..shared.dtensor import DTensor, local
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .distributed import (
     ShardedParam,
-    block_mean_sq,
+    reduce_block_sums,
+    row_mean_sq,
     row_split,
     second_moment_zeros,
     sharded_adam_mini_step,
@@ -43,6 +44,7 @@ from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
 from .partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
 from .plan import AdamMiniTritonPlan
 from .reference import adam_mini_reference_step
+from .sharded_plan import ShardedAdamMiniPlan
 
 MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 TELEMETRY = {"fp8_blocks": STEP_SUM, "bf16_blocks": STEP_SUM, "fallback_total": TOTAL, "overflow_total": TOTAL,
@@ -159,7 +161,7 @@ class AdamMini(torch.optim.Optimizer):
         for g in self.param_groups:
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self.telemetry = Telemetry(TELEMETRY)
-        self._plans: dict[int, tuple] = {}
+        self._plans: dict[int, tuple] = {}  # group index -> its plans (and a sharded key: the sharded ones)
         self._sharded: dict[int, ShardedParam] = {}
         for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
             for p in g["params"]:
@@ -229,7 +231,7 @@ class AdamMini(torch.optim.Optimizer):
         for p, state in self.state.items():  # a sharded param's step stays on the host (_init_state)
             if isinstance(p, DTensor) and "step" in state:
                 state["step"] = state["step"].cpu()
-        self._plans = {}  # the plans' pointer tables point at the replaced tensors
+        self._plans = {}  # the plans' pointer tables point at the replaced tensors (and their step views)
 
     def _path(self, p: Tensor) -> str:
         """"triton" or "reference" for this parameter (KERNEL_FACTORY_BACKEND or ``backend``)."""
@@ -289,35 +291,69 @@ class AdamMini(torch.optim.Optimizer):
         return loss
 
     def _step_sharded(self, by_group: list[list[DTensor]]) -> None:
-        """FSDP2's parameters (``by_group``: each group's with grads): the blocks' g² reduced across
-        ranks once for all groups, then PyTorch ops on the local rows, group by group."""
-        params = [p for ps in by_group for p in ps]
-        if not params:
-            return
-        items = []
-        for p in params:
-            part = self._parts[id(p)]
-            self._init_state(p, part)
-            cached = self._sharded.get(id(p))
-            if cached is None or cached.p is not p:
-                cached = self._sharded[id(p)] = ShardedParam(p, part, self.sub_block)
-            items.append(cached)
-        grads = checked_grads(params)
-        means = block_mean_sq(items, grads)
-        first = 0
-        for group, ps in zip(self.param_groups, by_group, strict=True):
+        """FSDP2's parameters (``by_group``: each group's with grads): every rank's sums of g² over
+        its part of the split blocks, one all-reduce per shard group for all groups, then each
+        group's update: the fused kernel on the local rows (``sharded_plan.py``), or PyTorch ops
+        where the kernels do not run (``distributed.py``)."""
+        staged, sums = [], []
+        for index, (group, ps) in enumerate(zip(self.param_groups, by_group, strict=True)):
             if not ps:
                 continue
-            end = first + len(ps)
+            plans, reference = self._sharded_group_plan(index, ps)
+            for plan in plans:
+                plan.begin(group)
+                sums += plan.block_sums(group, partial(checked_grads, plan.params))
+            grads = checked_grads([item.p for item in reference])
+            for item, g in zip(reference, grads, strict=True):
+                if not item.rows_local and item.part.kind != "adam":
+                    sums.append((item, item.partial_sq_sums(g)))
+            staged.append((group, plans, reference, grads))
+        means = reduce_block_sums(sums) if sums else {}
+        for group, plans, reference, grads in staged:
+            for plan in plans:
+                plan.update_block_moments(group, means)
+                plan.update(group, partial(checked_grads, plan.params))
+                self._watch_plan(plan)
+            if not reference:
+                continue
             beta1, beta2 = (float(b) for b in group["betas"])
+            item_means = [row_mean_sq(item, g) if item.rows_local else means.get(id(item))
+                          for item, g in zip(reference, grads, strict=True)]  # fmt: skip
             amax, overflow = sharded_adam_mini_step(
-                items[first:end], grads[first:end], [self.state[p] for p in ps], means[first:end],
-                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                reference, grads, [self.state[item.p] for item in reference], item_means, lr=float(group["lr"]),
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             )  # fmt: skip
-            first = end
             self.telemetry.add("amax_update", amax)
             if overflow is not None:
                 self.telemetry.add("overflow_total", overflow)
+
+    def _sharded_group_plan(self, index: int, params: list[DTensor]) -> tuple[list, list[ShardedParam]]:
+        """(kernel plans, params for PyTorch ops) of one group's DTensor params with grads, built
+        once per set of params: the kernels take what they take in one process (``_path``), FP8
+        momentum only on GPUs with FP8 (``fp8_supported``)."""
+        key = ("sharded", *map(id, params))
+        cached = self._plans.get(("sharded", index))
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        buckets: dict[tuple, list[ShardedParam]] = {}
+        reference = []
+        for p in params:
+            state = self._init_state(p, self._parts[id(p)])
+            item = self._sharded.get(id(p))
+            if item is None or item.p is not p:
+                item = self._sharded[id(p)] = ShardedParam(p, self._parts[id(p)], self.sub_block)
+            fp8 = state["exp_avg"].dtype == torch.float8_e4m3fn
+            if self._path(local(p)) == "triton" and (not fp8 or fp8_supported(local(p).device)):
+                buckets.setdefault((local(p).device, p.dtype, state["exp_avg"].dtype), []).append(item)
+            else:
+                reference.append(item)
+        plans = [ShardedAdamMiniPlan(items, [self.state[it.p] for it in items], self.sub_block)
+                 for items in buckets.values()]  # fmt: skip
+        for plan in plans:
+            if plan.fp8:  # no pool: only overflows (int64 tel_count[3], a running total)
+                self.telemetry.watch("overflow_total", lambda c=plan.tel_count: c[3], owner=plan)
+        self._plans[("sharded", index)] = (key, plans, reference)
+        return plans, reference
 
     def _watch_plan(self, plan: AdamMiniTritonPlan) -> None:
         """This step's counters, kept by the plan's kernels, read by the telemetry when asked

@@ -5,6 +5,7 @@ it builds the work list once (one item per ROWS rows of per-row blocks and plain
 tensors, one per head or whole-tensor block), the pointer tables, and per-step telemetry
 buffers, and launches one kernel per step with no host synchronisation. CUDA tensors take the
 multi-tensor variant; CPU tensors under TRITON_INTERPRET=1 the single-tensor one, per tensor.
+FSDP2's DTensor params step through a subclass (``sharded_plan.py``) on their local rows.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from torch import Tensor
 from kernel_factory.generator import ADAM_MINI, detect_arch, load, select
 
 from ..shared.buckets import TRITON_DTYPES, aligned, log2_pair, pointer_table, share_step_counts
+from ..shared.dtensor import local
 from ..shared.grad_table import GradTable
 from .fp8 import fp8_layout
 from .partition import ParamPartition
 
 MOMENTUM_TRITON = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
-ROW, BLOCK, ADAM = 0, 1, 2  # item kinds, as the template numbers them
+ROW, BLOCK, ADAM, GIVEN, SUM = 0, 1, 2, 3, 4  # item kinds, as the template numbers them
 # A tensor whose rows are a multiple of VECTOR elements and whose storage is 16-byte aligned goes
 # to a launch that promises both to the compiler (the template's VEC), so that its tiles move as
 # 16-byte vectors; any other tensor goes to a second launch without the promise.
@@ -38,7 +40,7 @@ def exact_row_shape(part: ParamPartition, sub_block: int, rows: int, num_warps: 
     do not split into <= 3 power-of-two multiples of ``sub_block``, one row is too long for the
     registers, or ``part`` is plain Adam. 768 columns, sub-blocks of 128: (512, 256, 0)."""
     cols = part.cols
-    if part.kind == "adam" or cols % sub_block:
+    if part.kind == "adam" or cols % sub_block or not cols:
         return None
     widths = [sub_block << b for b in reversed(range((cols // sub_block).bit_length())) if (cols // sub_block) >> b & 1]
     budget = EXACT_PER_THREAD * 32 * num_warps
@@ -69,11 +71,14 @@ def work_items(part: ParamPartition, tensor: int, rows_per_item: int) -> list[tu
 
 
 class AdamMiniTritonPlan:
-    """Params of one group with one (device, dtype, momentum dtype); see the module docstring."""
+    """Params of one group with one (device, dtype, momentum dtype); see the module docstring.
+    ``parts`` give each param's matrix view (``kind``, ``rows``, ``cols``) and, through
+    ``_items``, its work items."""
 
     def __init__(self, params: list[Tensor], states: list[dict], parts: list[ParamPartition],
                  sub_block: int, capacity: float) -> None:  # fmt: skip
         self.params, self.states, self.parts = params, states, parts
+        self.locals = [local(p) for p in params]  # what the kernels update: a DTensor's local rows
         self.device = params[0].device
         self.multi_tensor = self.device.type == "cuda"
         momentum = states[0]["exp_avg"].dtype
@@ -84,7 +89,10 @@ class AdamMiniTritonPlan:
         self.kernel, self.begin_kernel = module.adam_mini_kernel, module.adam_mini_begin_kernel
         self.sub_block = sub_block
         layouts = [fp8_layout(q.rows, q.cols, sub_block, capacity) for q in parts]
-        self.meta_rows = [(q.cols, nsub, cap) for q, (nsub, cap) in zip(parts, layouts, strict=True)]
+        # pool slots as allocated (a loaded pool keeps its saved size; a sharded param has none)
+        caps = [s["exp_avg_pool"].shape[1] if "exp_avg_pool" in s else cap
+                for s, (_, cap) in zip(states, layouts, strict=True)]  # fmt: skip
+        self.meta_rows = [(q.cols, nsub, cap) for q, (nsub, _), cap in zip(parts, layouts, caps, strict=True)]
         self.sub_blocks = sum(q.rows * nsub for q, (nsub, _) in zip(parts, layouts, strict=True)) if self.fp8 else 0
         self._dummy = torch.zeros(1, dtype=torch.int32, device=self.device)  # unused FP8 tables' target
         # One buffer of step counts, state['step'] views of it, advanced on the device by the
@@ -105,7 +113,7 @@ class AdamMiniTritonPlan:
         self.tel_count = torch.zeros(4, dtype=torch.int64, device=self.device)
         self.tel_amax = torch.zeros(module.AMAX_SLOTS.value * 32, dtype=torch.float32, device=self.device)
         arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
-        total = sum(p.numel() for p in params)
+        total = sum(t.numel() for t in self.locals)
         self.configure(select(ADAM_MINI, arch, self.variant, self.variant["param_dtype"], total))
         if self.multi_tensor:
             self._grads = GradTable(self.device, len(params))
@@ -116,7 +124,7 @@ class AdamMiniTritonPlan:
         name = {"p": None, "m": "exp_avg", "scale": "exp_avg_scale", "pool": "exp_avg_pool",
                 "used": "exp_avg_pool_used", "v": "exp_avg_sq"}[key]  # fmt: skip
         if name is None:
-            return self.params[i]
+            return self.locals[i]
         return state.get(name, self._dummy) if key in ("scale", "pool", "used") else state[name]
 
     def _table(self, key: str) -> Tensor:
@@ -133,13 +141,17 @@ class AdamMiniTritonPlan:
             vec = VECTOR if self.multi_tensor and self._vectorizable(i) else 1
             exact = exact_row_shape(q, self.sub_block, rows, warps)
             key = (tensor, vec, *exact) if exact is not None else (tensor, vec, rows, (0, 0, 0))
-            groups.setdefault(key, []).extend(work_items(q, i, key[2]))
+            groups.setdefault(key, []).extend(self._items(q, i, key[2]))
         self.meta = torch.tensor(self.meta_rows, dtype=torch.int32, device=self.device)
         self._launches = [
-            (key, torch.tensor(sorted(its, key=lambda it: it[4] != BLOCK), dtype=torch.int32,
+            (key, torch.tensor(sorted(its, key=lambda it: it[4] not in (BLOCK, GIVEN)), dtype=torch.int32,
                                device=self.device).view(-1, 5))
-            for key, its in sorted(groups.items())
+            for key, its in sorted(groups.items()) if its
         ]  # fmt: skip
+
+    def _items(self, part, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
+        """The update launch's work items of param ``tensor``."""
+        return work_items(part, tensor, rows_per_item)
 
     def _vectorizable(self, i: int) -> bool:
         # Grads are made 16-byte aligned by GradTable; the state is allocated here, but a loaded
@@ -149,31 +161,45 @@ class AdamMiniTritonPlan:
     def run(self, group: dict, checked_grads) -> None:
         """One step (the begin kernel, then the update launches); ``checked_grads()`` returns the
         grads validated. Its telemetry stays on the device: ``tel_count``, ``step_amax``."""
+        self.begin(group)
+        self.launch(self._launches, group, checked_grads)
+
+    def begin(self, group: dict) -> None:
+        """The begin kernel: step counts, bias corrections, per-step counters (template header)."""
         b1, b2 = (float(b) for b in group["betas"])
-        lr = float(group["lr"])
         n = len(self.params)
         block = min(1024, 1 << (n - 1).bit_length())
         self.begin_kernel[(-(-n // block),)](self.steps, self.coefs, self.used, self.tel_count, self.tel_amax,
-                                                    n, lr, *log2_pair(b1), *log2_pair(b2), BLOCK=block)  # fmt: skip
+                                             n, float(group["lr"]), *log2_pair(b1), *log2_pair(b2),
+                                             BLOCK=block)  # fmt: skip
+
+    def launch(self, launches: list, group: dict, checked_grads, v_table: Tensor | None = None,
+               v_of=None) -> None:  # fmt: skip
+        """The kernel over ``launches`` ((key, items) as ``configure`` builds them); ``v_table`` /
+        ``v_of(i)`` replace the second moments the items read and write (``sharded_plan.py``'s sums)."""
+        b1, b2 = (float(b) for b in group["betas"])
+        lr = float(group["lr"])
         scalars = (lr, b2, 1.0 - b1, 1.0 - b2, float(group["eps"]), 1.0 - lr * float(group["weight_decay"]))
         launch = dict(COLS=self.config["COLS"], SUB=self.sub_block, num_warps=self.config["num_warps"],
                       num_stages=self.config["num_stages"])  # fmt: skip
         if self.multi_tensor:
             p_t, m_t, s_t, pool_t, used_t, v_t = self._tables
             g_t = self._grads.update(self.params, checked_grads)
-            for (_, vec, rows, (w0, w1, w2)), items in self._launches:
+            for (_, vec, rows, (w0, w1, w2)), items in launches:
                 self.kernel[(items.shape[0],)](
-                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t, self.coefs, self.tel_count,
-                    self.tel_amax, *scalars, **launch, ROWS=rows, VEC=vec, W0=w0, W1=w1, W2=w2,
+                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t if v_table is None else v_table,
+                    self.coefs, self.tel_count, self.tel_amax, *scalars, **launch, ROWS=rows, VEC=vec, W0=w0, W1=w1,
+                    W2=w2,
                 )  # fmt: skip
         else:
             grads = checked_grads()
-            for (i, _, rows, (w0, w1, w2)), items in self._launches:
+            for (i, _, rows, (w0, w1, w2)), items in launches:
                 cols, nsub, cap = self.meta_rows[i]
+                m, scale, pool, used, v = (self._tensor(i, k) for k in ("m", "scale", "pool", "used", "v"))
                 self.kernel[(items.shape[0],)](
-                    items, self.params[i], grads[i].contiguous(), *(self._tensor(i, k) for k in ("m", "scale", "pool",
-                    "used", "v")), self.coefs[i], self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch,
-                    ROWS=rows, VEC=1, W0=w0, W1=w1, W2=w2,
+                    items, self.locals[i], grads[i].contiguous(), m, scale, pool, used, v if v_of is None else v_of(i),
+                    self.coefs[i], self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch, ROWS=rows,
+                    VEC=1, W0=w0, W1=w1, W2=w2,
                 )  # fmt: skip
 
     def step_amax(self) -> Tensor:

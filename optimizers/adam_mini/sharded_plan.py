@@ -1,0 +1,122 @@
+"""The Triton Adam-mini plan on FSDP2's local rows (``distributed.py`` has the layout of the states).
+
+One plan takes one group's DTensor params of one (device, dtype, momentum dtype), as the
+single-process plan does, and steps each param's local rows with the same kernel, in three parts:
+
+1. ``begin`` and ``block_sums``: the begin kernel, then one launch that writes this rank's sum of
+   g² over its rows of every block that is not a row (a head, a norm, a whole tensor: kind 4
+   items) into a buffer of partial sums, one slot per block;
+2. the caller all-reduces the partial sums of every plan at once (one collective per shard group)
+   and updates those blocks' replicated second moments with PyTorch's foreach ops
+   (``update_block_moments``): each rank updates every block, not only its own, so the
+   ``Replicate`` DTensor stays the same everywhere;
+3. ``update``: the update launch; rows that are blocks (kind 0) form their second moments in the
+   kernel, as in one process (a rank holds them whole); split blocks (kind 3) read theirs.
+
+FP8 momentum goes without the bf16 fallback pool (``distributed.py``): the kernel is handed a pool
+of 0 slots, so a sub-block that would fall back stays FP8 and counts as an overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..shared.buckets import pointer_table
+from .distributed import ShardedParam, local_state_view
+from .plan import ADAM, GIVEN, ROW, SUM, AdamMiniTritonPlan
+
+# Each param's slots in the buffer of partial sums start 16 floats apart (64 bytes), so that the
+# kernel's alignment promise for a second-moment pointer (VEC launches) holds for them too.
+SLOT_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """A sharded param's local rows as the plan takes them: ``kind`` ("row": every row a block,
+    "adam": per element, "block": rows of blocks that may be split across ranks), a ``rows`` x
+    ``cols`` matrix view, and ``runs`` ((first local row, rows, block) of each block's local part)."""
+
+    kind: str
+    rows: int
+    cols: int
+    runs: tuple[tuple[int, int, int], ...]
+    blocks: int  # the param's blocks, whole (slots in the buffer of partial sums)
+
+    @staticmethod
+    def of(item: ShardedParam) -> LocalRows:
+        t = item.local
+        rows = (1 if t.numel() else 0) if item.vector else t.shape[0]
+        cols = t.numel() // rows if rows else 0
+        kind = "adam" if item.part.kind == "adam" else "row" if item.rows_local else "block"
+        runs: list[tuple[int, int, int]] = []
+        if kind == "block":
+            for r, b in enumerate(item.block_ids_host):
+                if runs and runs[-1][2] == b:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1, b)
+                else:
+                    runs.append((r, 1, b))
+        return LocalRows(kind, rows, cols, tuple(runs), item.part.blocks if kind == "block" else 0)
+
+
+class ShardedAdamMiniPlan(AdamMiniTritonPlan):
+    """``items``' params (one group; one device, dtype and momentum dtype) and their ``states``."""
+
+    def __init__(self, items: list[ShardedParam], states: list[dict], sub_block: int) -> None:
+        self.items = items
+        device = items[0].local.device
+        views = [local_state_view(s, sub_block, device) for s in states]
+        super().__init__([it.p for it in items], views, [LocalRows.of(it) for it in items], sub_block, 1.0)
+        for state, view in zip(states, views, strict=True):
+            state["step"] = view["step"]  # views of the plan's device buffer of step counts
+        sizes = [-(-q.blocks // SLOT_ALIGN) * SLOT_ALIGN for q in self.parts]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sums = torch.zeros(max(1, sum(sizes)), dtype=torch.float32, device=device)
+        self._sum_views = [self.sums[a : a + q.blocks] for a, q in zip(starts, self.parts, strict=True)]
+        if self.multi_tensor:
+            self._sum_table = pointer_table(self._sum_views, device)
+        self._reduced = [i for i, q in enumerate(self.parts) if q.kind == "block"]
+
+    def configure(self, config) -> None:
+        super().configure(config)
+        rows = self.config["ROWS"]
+        groups: dict[tuple, list] = {}
+        for i, q in enumerate(self.parts):
+            if q.runs:  # the general (not whole-row) path: kind 4 takes only the first pass
+                key = (-1 if self.multi_tensor else i, 16 if self.multi_tensor and self._vectorizable(i) else 1)
+                groups.setdefault((*key, rows, (0, 0, 0)), []).extend((i, r0, nr, b, SUM) for r0, nr, b in q.runs)
+        self._sum_launches = [(key, torch.tensor(its, dtype=torch.int32, device=self.device).view(-1, 5))
+                              for key, its in sorted(groups.items())]  # fmt: skip
+
+    def _items(self, part: LocalRows, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
+        if part.kind == "block":
+            return [(tensor, r0, nr, b, GIVEN) for r0, nr, b in part.runs]
+        kind = ADAM if part.kind == "adam" else ROW
+        return [(tensor, r, min(rows_per_item, part.rows - r), 0 if kind == ADAM else r, kind)
+                for r in range(0, part.rows, rows_per_item)]  # fmt: skip
+
+    def block_sums(self, group: dict, checked_grads) -> list[tuple[ShardedParam, Tensor]]:
+        """This rank's Σ g² over its rows of each split block: (param, fp32 [blocks]) per such param
+        (blocks it holds no row of stay 0). Call after ``begin``."""
+        if not self._reduced:
+            return []
+        self.sums.zero_()
+        self.launch(self._sum_launches, group, checked_grads, self._sum_table if self.multi_tensor else None,
+                    self._sum_views.__getitem__)  # fmt: skip
+        return [(self.items[i], self._sum_views[i]) for i in self._reduced]
+
+    def update_block_moments(self, group: dict, means: dict[int, Tensor]) -> None:
+        """v = beta2 v + (1 - beta2) mean of every split block's second moment (``means``: the blocks'
+        mean g² by ``id`` of their ShardedParam), as the kernel's kind 1 forms it."""
+        if not self._reduced:
+            return
+        beta2 = float(group["betas"][1])
+        moments = [self._tensor(i, "v") for i in self._reduced]
+        torch._foreach_mul_(moments, beta2)
+        torch._foreach_add_(moments, [means[id(self.items[i])] for i in self._reduced], alpha=1.0 - beta2)
+
+    def update(self, group: dict, checked_grads) -> None:
+        """The update launch (after ``update_block_moments``)."""
+        self.launch(self._launches, group, checked_grads)
