@@ -10,7 +10,8 @@ themselves). Per step:
 2. an all-to-all sends every matrix's rows to its owner (matrix j belongs to rank j mod W),
    padded to ``ceil(R / W)`` rows per rank; the owner drops the padding rows, so NS sees exactly
    the single-process matrix (padding could flip the tall/wide choice);
-3. the owner runs NS once on its matrices (normalization and iterations as single-process Muon);
+3. the owner runs NS once on its matrices (normalization and iterations as single-process Muon;
+   on CUDA the batches of a device together, through the CUDA graph one process replays);
 4. a second all-to-all returns each rank's rows of O, and each rank applies weight decay and the
    update to its rows.
 
@@ -31,8 +32,8 @@ from torch.distributed.tensor import Shard
 
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local
-from .newton_schulz import iterate
-from .plan import MuonHyper, adjusted_lr, init_momentum_buffer
+from .newton_schulz import iterate, ns_on_triton
+from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer
 
 
 def shard_group(p: DTensor):
@@ -48,7 +49,10 @@ def shard_group(p: DTensor):
 
 
 class ShardedMuonBatch:
-    """Same-shape DTensor matrices of one group, dtype and shard group (module docstring)."""
+    """Same-shape DTensor matrices of one group, dtype and shard group (module docstring). Buffers
+    are kept between steps: the all-to-alls' send and receive buffers, and NS's input ``x`` (the
+    owner's matrices, (owned, m, n) bf16, m <= n, tall ones transposed) and ``norm`` (owned,) fp32,
+    which a CUDA graph of the device's NS iterations reads in place (``plan.JointNS``)."""
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor]) -> None:
         self.params, self.bufs = params, bufs
@@ -63,42 +67,53 @@ class ShardedMuonBatch:
         self.device = self.local_params[0].device
         self.dtype = params[0].dtype
         self.tall = self.rows > self.cols
+        W, S, P, C = self.world, self.slots, self.per_rank, self.cols
+        shape, bf16 = (W, S, P, C), dict(dtype=torch.bfloat16, device=self.device)
+        self._send, self._got, self._reply, self._back = (torch.zeros(shape, **bf16) for _ in range(4))
+        here = self.local_params[0].shape[0] if self.local_params[0].dim() else 0  # this rank's rows
+        # matrix j's rows here: piece [owner j mod W, slot j // W] of what goes out and comes back
+        self._sent = [self._send[j % W, j // W, :here] for j in range(len(params))]
+        self._mine = [self._back[j % W, j // W, :here].view_as(p) for j, p in enumerate(self.local_params)]
+        self._padded = torch.zeros((len(self.owned), W * P, C), **bf16)
+        m, n = sorted((self.rows, C))
+        self.x = torch.empty((len(self.owned), m, n), **bf16)
+        self.norm = torch.empty(len(self.owned), dtype=torch.float32, device=self.device)
         self._amax = torch.zeros((), device=self.device)
 
-    def _chunk(self, r: int) -> tuple[int, int]:
-        start = min(r * self.per_rank, self.rows)
-        return start, min(start + self.per_rank, self.rows)
-
-    def run(self, h: MuonHyper) -> None:
+    def gather(self, h: MuonHyper) -> None:
+        """Steps 1-2: the momentum of this rank's rows, NS's bf16 input sent to the owners; the
+        owner's matrices into ``x`` and their norms (as torch's bf16 vector_norm, at least eps)."""
         W, S, P, C = self.world, self.slots, self.per_rank, self.cols
         grads = checked_grads(self.params)
         torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
         updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
-        # 1-2. my rows of matrix j = owner + slot * W go to piece [owner, slot]; NS's input is bf16
-        send = torch.zeros((W, S, P, C), dtype=torch.bfloat16, device=self.device)
-        for j, u in enumerate(updates):
-            send[j % W, j // W, : u.shape[0]].copy_(u.reshape(u.shape[0], C))
-        got = torch.empty_like(send)
-        dist.all_to_all_single(got, send, group=self.group)
+        if self._sent[0].numel():
+            torch._foreach_copy_(self._sent, [u.reshape(u.shape[0], C) for u in updates])
+        dist.all_to_all_single(self._got, self._send, group=self.group)
         # 3. the owner's matrices, padding rows dropped: piece s holds rank s's rows
-        full = got.permute(1, 0, 2, 3).reshape(S, W * P, C)[: len(self.owned), : self.rows]
-        x = (full.mT if self.tall else full).contiguous()  # laid out as single-process Muon's batch
-        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-        ortho = iterate(x / norm.clamp(min=h.eps), h.schedule) if len(self.owned) else x
-        ortho = ortho.mT if self.tall else ortho
-        # 4. rows back to their ranks: piece r of the reply holds rank r's rows of my matrices
-        reply = torch.zeros_like(send)
-        padded = torch.zeros((len(self.owned), W * P, C), dtype=torch.bfloat16, device=self.device)
-        padded[:, : self.rows] = ortho
-        reply[:, : len(self.owned)] = padded.view(len(self.owned), W, P, C).permute(1, 0, 2, 3)
-        back = torch.empty_like(reply)
-        dist.all_to_all_single(back, reply, group=self.group)
+        full = self._got.permute(1, 0, 2, 3).reshape(S, W * P, C)[: len(self.owned), : self.rows]
+        self.x.copy_(full.mT if self.tall else full)  # laid out as single-process Muon's batch
+        self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=h.eps_bf16))
+
+    def orthogonalize(self, h: MuonHyper) -> Tensor:
+        """NS of this batch alone, on torch's ops (CPU; the CUDA batches run as one graph)."""
+        norm = torch.linalg.vector_norm(self.x, dim=(-2, -1), keepdim=True)
+        return iterate(self.x / norm.clamp(min=h.eps), h.schedule) if len(self.owned) else self.x
+
+    def scatter(self, h: MuonHyper, ortho: Tensor) -> None:
+        """Step 4: each rank's rows of O (the owner's ``ortho``, (owned, m, n)) back to it; weight
+        decay and the update on this rank's rows."""
+        W, P, C = self.world, self.per_rank, self.cols
+        owned = len(self.owned)
+        if owned:
+            self._padded[:, : self.rows] = ortho.mT if self.tall else ortho
+            self._reply[:, :owned] = self._padded.view(owned, W, P, C).permute(1, 0, 2, 3)
+        dist.all_to_all_single(self._back, self._reply, group=self.group)
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
         torch._foreach_mul_(self.local_params, 1 - h.lr * h.weight_decay)
-        rows = self._chunk(self.rank)[1] - self._chunk(self.rank)[0]
-        mine = [back[j % W, j // W, :rows].to(self.dtype).view_as(p) for j, p in enumerate(self.local_params)]
-        torch._foreach_add_(self.local_params, mine, alpha=-step_lr)
-        self._amax = back.abs().amax().float() * step_lr  # this rank's rows
+        if self._mine[0].numel():  # p.add_ computes in p's dtype, as single-process Muon after .to(p.dtype)
+            torch._foreach_add_(self.local_params, self._mine, alpha=-step_lr)
+        self._amax = self._back.abs().amax().float() * step_lr  # this rank's rows
 
     def update_amax(self) -> Tensor:
         """This rank's rows' largest |adjusted lr · O| of the last step (0-d fp32)."""
@@ -106,7 +121,8 @@ class ShardedMuonBatch:
 
 
 class ShardedMuonGroupPlan:
-    """The sharded batches of one Muon group's DTensor params with grads."""
+    """The sharded batches of one Muon group's DTensor params with grads; on CUDA the owners' NS
+    iterations of all batches of a device run together, as one process's do (``plan.JointNS``)."""
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
         self.key = key
@@ -118,11 +134,23 @@ class ShardedMuonGroupPlan:
             init_momentum_buffer(p, state[p])
             batches.setdefault((tuple(p.shape), p.dtype, local(p).device, id(group)), []).append(p)
         self.batches = [ShardedMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps]) for ps in batches.values()]
+        joint: dict[torch.device, list[ShardedMuonBatch]] = {}
+        for b in self.batches:
+            if b.owned and ns_on_triton(b.x):
+                joint.setdefault(b.device, []).append(b)
+        self.joint = [JointNS(bs) for bs in joint.values()]
 
     def run(self, group: dict) -> None:
         h = MuonHyper(group)
         for batch in self.batches:
-            batch.run(h)
+            batch.gather(h)
+        orthos = {}
+        for ns in self.joint:
+            with torch.cuda.device(ns.batches[0].device):  # Triton launches on the current device
+                orthos.update(zip(map(id, ns.batches), ns(h.schedule)[0], strict=True))
+        for batch in self.batches:
+            ortho = orthos.get(id(batch))
+            batch.scatter(h, batch.orthogonalize(h) if ortho is None else ortho)
 
     def update_amax(self) -> Tensor:
         if not self.batches:

@@ -121,7 +121,7 @@ def iterate(x: Tensor, schedule: list[tuple[float, float, float]], config=None) 
     ``config``: a newton_schulz family config, or one per product (``per_product``); each
     ``impl`` picks the "classic" or "hopper" Triton kernels or torch's matmuls. None takes the
     tuned ones for CUDA tensors and torch's matmuls elsewhere."""
-    if config is None and _triton_path(x):
+    if config is None and ns_on_triton(x):
         config = ns_config(x)
     if config is not None and any(c["impl"] != "torch" for c in per_product(config).values()):
         out = graphed_newton_schulz(x if x.dim() == 3 else x[None], schedule, config)
@@ -135,7 +135,8 @@ def iterate(x: Tensor, schedule: list[tuple[float, float, float]], config=None) 
     return x
 
 
-def _triton_path(x: Tensor) -> bool:
-    # CUDA tensors take the Triton kernels unless KERNEL_FACTORY_BACKEND=torch; CPU tensors take
-    # torch's matmuls (the interpreter's bf16 tl.dot is wrong; the fp32 variant is tested directly).
+def ns_on_triton(x: Tensor) -> bool:
+    """Whether NS on ``x`` takes the Triton kernels: CUDA tensors do unless KERNEL_FACTORY_BACKEND=torch;
+    CPU tensors take torch's matmuls (the interpreter's bf16 tl.dot is wrong; the fp32 variant is
+    tested directly)."""
     return x.is_cuda and backend_mode() != "torch" and triton_available()
