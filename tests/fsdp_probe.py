@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 
 from kernel_factory.optimizers import Adam, AdamMini, AdamW, Muon
 from kernel_factory.optimizers.parity import compare_tensors
-from kernel_factory.optimizers.shared.dtensor import local
+from kernel_factory.optimizers.shared.dtensor import cut_locally, local, local_part
 
 # Rows split unevenly; (1, 7) and (2, 2, 3) leave empty shards on tail ranks; a tall matrix; 1-D;
 # repeated shapes make batches whose matrices have different owner ranks (Muon).
@@ -178,22 +178,46 @@ def hsdp_equal_to_one_process(rank: int, world: int) -> None:
 # mesh; the last has a non-contiguous local shard (a transposed view), as a custom layout may.
 MIXED = [("layers.0.mlp.up_proj.weight", (8, 6), "fsdp"), ("layers.0.mlp.down_proj.weight", (8, 6), "hsdp"),
          ("layers.0.mlp.down_proj.bias", (5,), "fsdp"), ("layers.0.mlp.gate_proj.weight", (6, 4), "fsdp_t")]
+# Tensor parallelism: columns split over all ranks (Shard(1), uneven: 10 over 4), and FSDP + TP on
+# a 2 x (world / 2) mesh: rows over the first dim, columns over the second, or rows over both as
+# FSDP2 shards a column-parallel weight (_StridedShard: each rank holds rows far apart); Q and K
+# heads of 4 rows; a vector split over the TP mesh; a plain FSDP matrix beside them.
+TENSOR_PARALLEL = [("layers.0.self_attn.q_proj.weight", (16, 8), "tp"),
+                   ("layers.0.mlp.up_proj.weight", (10, 8), "fsdp_tp"),
+                   ("layers.0.mlp.down_proj.weight", (8, 10), "tp"),
+                   ("layers.0.self_attn.k_proj.weight", (8, 8), "fsdp_tp"),
+                   ("layers.0.input_layernorm.weight", (8,), "tp"),
+                   ("layers.0.mlp.gate_proj.weight", (8, 8), "fsdp"),
+                   ("layers.1.self_attn.k_proj.weight", (16, 6), "fsdp_tp_strided"),
+                   ("layers.1.self_attn.v_proj.weight", (8, 6), "fsdp_tp_strided")]  # fmt: skip
+LAYOUTS = {"mixed": MIXED, "tensor_parallel": TENSOR_PARALLEL}
 
 
-def _mixed_params(world: int, device: str = "cpu"):
-    """(DTensor params on the meshes of MIXED, their full values, the shard each rank holds)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+def _mixed_params(world: int, layouts: list, device: str = "cpu"):
+    """(DTensor params on the meshes of ``layouts`` (MIXED, TENSOR_PARALLEL), their full values);
+    the 2-D meshes are 2 x (world / 2), or 1 x 1 at one rank. Params and grads are cut locally, with
+    no collective (Gloo with CUDA tensors crashed torch 2.11's collectives on one GPU)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     fsdp = init_device_mesh(device, (world,))
-    hsdp = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    two = min(2, world)
+    hsdp = init_device_mesh(device, (two, world // two), mesh_dim_names=("replicate", "shard"))
+    two_d = init_device_mesh(device, (two, world // two), mesh_dim_names=("dp", "tp"))
     gen = torch.Generator().manual_seed(7)
     params, fulls = [], []
-    for _, shape, layout in MIXED:
+    for _, shape, layout in layouts:
         full = torch.randn(shape, generator=gen).to(device)
         if layout == "hsdp":
-            p = distribute_tensor(full, hsdp, [Replicate(), Shard(0)])
+            p = cut_locally(full, hsdp, [Replicate(), Shard(0)])
         elif layout == "fsdp":
-            p = distribute_tensor(full, fsdp, [Shard(0)])
+            p = cut_locally(full, fsdp, [Shard(0)])
+        elif layout == "tp":
+            p = cut_locally(full, fsdp, [Shard(full.dim() - 1)])
+        elif layout == "fsdp_tp":
+            p = cut_locally(full, two_d, [Shard(0), Shard(1)])
+        elif layout == "fsdp_tp_strided":
+            p = cut_locally(full, two_d, [_StridedShard(0, split_factor=world // two), Shard(0)])
         else:  # this rank's rows, stored transposed
             rows = shard_of(full, fsdp.get_local_rank(), world)
             local_t = rows.t().contiguous().t()
@@ -203,31 +227,32 @@ def _mixed_params(world: int, device: str = "cpu"):
     return params, fulls
 
 
-def mixed_meshes_equal_to_one_process(rank: int, world: int, name: str, backend: str, tol: float) -> None:
-    """3 steps of one optimizer over params on two meshes (MIXED) against one process."""
-    from torch.distributed.tensor import distribute_tensor
-
+def mixed_meshes_equal_to_one_process(rank: int, world: int, name: str, backend: str, tol: float,
+                                      layouts: str = "mixed", device: str = "cpu") -> None:  # fmt: skip
+    """3 steps of one optimizer over params on the meshes of ``LAYOUTS[layouts]`` against one process."""
     os.environ["KERNEL_FACTORY_BACKEND"] = backend
+    if device == "cuda":
+        torch.cuda.set_device(0)
     builds = {"AdamW": lambda named: AdamW([p for _, p in named], lr=1e-2, weight_decay=0.1),
               "Muon": lambda named: Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=1e-2),
-              "AdamMini": lambda named: AdamMini(named, lr=1e-2, weight_decay=0.1, dim=6, n_heads=1,
+              "AdamMini": lambda named: AdamMini(named, lr=1e-2, weight_decay=0.1, dim=8, n_heads=2,
                                                  momentum_dtype="fp32")}  # fmt: skip
-    params, fulls = _mixed_params(world)
+    layout = LAYOUTS[layouts]
+    params, fulls = _mixed_params(world, layout, device)
     ref = [torch.nn.Parameter(f.clone()) for f in fulls]
-    opt = builds[name]([(n, p) for (n, _, _), p in zip(MIXED, params, strict=True)])
-    ref_opt = builds[name]([(n, p) for (n, _, _), p in zip(MIXED, ref, strict=True)])
+    opt = builds[name]([(n, p) for (n, _, _), p in zip(layout, params, strict=True)])
+    ref_opt = builds[name]([(n, p) for (n, _, _), p in zip(layout, ref, strict=True)])
     gen = torch.Generator().manual_seed(8)
     for _ in range(3):
         for p, q in zip(params, ref, strict=True):
-            g = torch.randint(-1024, 1024, q.shape, generator=gen) / 1024
+            g = (torch.randint(-1024, 1024, q.shape, generator=gen) / 1024).to(device)
             q.grad = g
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = cut_locally(g, p.device_mesh, p.placements)
         opt.step()
         ref_opt.step()
     same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a, b, tol).passed)
-    for (n, _, layout), p, q in zip(MIXED, params, ref, strict=True):
-        shards = world // 2 if layout == "hsdp" else world
-        assert same(local(p), shard_of(q.detach(), rank % shards, shards)), (name, n)
+    for (n, _, _), p, q in zip(layout, params, ref, strict=True):
+        assert same(local(p), local_part(q.detach(), p)), (name, n)
 
 
 def sharded_muon_state(rank: int, world: int, path: str, device: str = "cuda") -> None:

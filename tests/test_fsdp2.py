@@ -35,9 +35,8 @@ from tolerances import drift_tol
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
 
-from kernel_factory.optimizers import AdamMini, AdamW, Muon
+from kernel_factory.optimizers import AdamW
 from kernel_factory.optimizers.parity import compare_tensors
 from kernel_factory.optimizers.shared.dtensor import local
 
@@ -154,18 +153,14 @@ def test_checkpoints_move_between_torch_adamw_and_ours_under_fsdp2(tmp_path):
     run_ranks(2, _checkpoints_move_between_torch_adamw_and_ours, str(tmp_path))
 
 
-def _refused(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,))
-    columns = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]))  # tensor parallel
-    with pytest.raises(TypeError, match=r"AdamMini takes DTensor parameters split on dim 0 .* \(4, 6\)"):
-        AdamMini([("layers.0.mlp.w", columns)], dim=4, n_heads=1)
-    columns.grad = torch.zeros_like(columns)
-    with pytest.raises(TypeError, match=r"Muon takes DTensor matrices whose rows are split .* \(4, 6\)"):
-        Muon([columns]).step()
-
-
-def test_layouts_without_sharded_support_are_refused():
-    run_ranks(2, _refused)
+@pytest.mark.parametrize(("name", "backend", "tol"), [("AdamW", "triton", 0.0), ("Muon", "torch", 0.0),
+                                                      ("AdamMini", "auto", 1e-6), ("AdamMini", "triton", 1e-6)])
+def test_tensor_parallel_and_2d_layouts_step_like_one_process(name, backend, tol):
+    """Columns split (tensor parallelism's Shard(1), unevenly) and rows and columns split on a 2-D
+    mesh, beside a plain FSDP matrix, at 4 ranks: AdamW elementwise (bitwise); Muon gathers each
+    such matrix on every rank (bitwise on the reference path); AdamMini all-reduces its blocks'
+    sums over every split mesh dim (1e-6; its FSDP matrix takes the fused kernel on ``triton``)."""
+    run_ranks(4, mixed_meshes_equal_to_one_process, name, backend, tol, "tensor_parallel")
 
 
 def _built_before_fully_shard(rank: int, world: int) -> None:

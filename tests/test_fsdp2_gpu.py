@@ -11,6 +11,7 @@ from fsdp_probe import (
     SHAPES,
     adam_mini_equal_to_one_process,
     equal_to_one_process,
+    mixed_meshes_equal_to_one_process,
     muon_equal_to_one_process,
     shard_of,
     sharded_muon_state,
@@ -61,3 +62,15 @@ def test_sharded_muon_on_the_gpu_does_not_change_with_the_world_size(tmp_path):
         two = torch.load(f"{path}.2.{rank}")
         for i, (full, mine) in enumerate(zip(one, two, strict=True)):
             assert torch.equal(shard_of(full, rank, 2), mine), (rank, i)
+
+
+@pytest.mark.parametrize(("name", "tol"), [("AdamW", 0.0), ("Muon", None), ("AdamMini", 1e-6)])
+def test_tensor_parallel_layouts_on_the_gpu_step_like_one_process(name, tol):
+    """Column-split and 2-D layouts on a one-rank mesh (two ranks would gather over Gloo with CUDA
+    tensors, which crashed torch 2.11): the paths that take them run on the GPU (Muon's gathered
+    batches in the device's NS graph, AdamMini's PyTorch ops beside its kernel), against one process."""
+    if tol is None:  # NS from other momentum ops than one process's fused kernel: a bf16 rounding of NS
+        from fsdp_probe import TENSOR_PARALLEL
+
+        tol = muon_tol([s for _, s, _ in TENSOR_PARALLEL if len(s) >= 2], lr=0.02, steps=3, init_std=1.0)
+    run_ranks(1, mixed_meshes_equal_to_one_process, name, "auto", tol, "tensor_parallel", "cuda")

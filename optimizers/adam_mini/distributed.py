@@ -24,6 +24,11 @@ rows (sub-blocks never cross rows), so both reshard exactly. The bf16 fallback p
 its slots are handed out per parameter in row order, which would make it depend on the world
 size; a sub-block that would fall back stays FP8 and counts as an overflow (``overflow_total``).
 A sharded vector (one row, split across sub-blocks) keeps bf16 momentum.
+
+Other layouts (tensor parallelism's column split ``Shard(1)``, FSDP2 + TP's 2-D layouts) hold
+parts of rows: every block's sum of g² is then all-reduced over each mesh dim that splits the
+param, the second moments are replicated ``[blocks]`` even where rows are blocks, the momentum is
+bf16 (FP8 sub-blocks would cross a column split) and the step runs PyTorch ops.
 """
 
 from __future__ import annotations
@@ -33,26 +38,18 @@ import math
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
+from ..shared.dtensor import local_row_indices, row_shard_group, split_groups
 from .fp8 import dequantize, fp8_layout, quantize_
 from .partition import ParamPartition
 
 
-def row_split(p: DTensor):
-    """(process group, world, rank) of the mesh dim that splits ``p``'s dim 0; TypeError otherwise."""
-    split = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
-    if len(split) != 1 or type(p.placements[split[0]]) is not Shard or p.placements[split[0]].dim != 0:
-        raise TypeError(f"AdamMini takes DTensor parameters split on dim 0 over one mesh dim (FSDP2, HSDP); "
-                        f"a parameter of shape {tuple(p.shape)} has placements {p.placements}")  # fmt: skip
-    mesh, dim = p.device_mesh, split[0]
-    return mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
-
-
 def rows_are_blocks(p: DTensor, part: ParamPartition) -> bool:
-    """Whether every row of sharded ``p`` is a block (kind ``row``, a matrix): then each rank holds
-    its blocks whole and keeps their second moments, sharded like the rows, with no collective."""
-    return part.kind == "row" and p.dim() >= 2
+    """Whether every row of sharded ``p`` is a block (kind ``row``, a matrix) and its rows are split
+    on one mesh dim alone (``row_shard_group``): then each rank holds its blocks whole and keeps
+    their second moments, sharded like the rows, with no collective."""
+    return part.kind == "row" and p.dim() >= 2 and row_shard_group(p) is not None
 
 
 def second_moment_zeros(p: DTensor, part: ParamPartition) -> DTensor:
@@ -93,20 +90,20 @@ def local_state_view(state: dict, sub_block: int, device) -> dict[str, Tensor]:
 
 
 class ShardedParam:
-    """One DTensor parameter's local rows and their blocks (``sub_block``: its FP8 sub-block size)."""
+    """One DTensor parameter's local rows and their blocks (``sub_block``: its FP8 sub-block size).
+    Any placements: where columns are split too (tensor parallelism), each local row is part of
+    its row, and the sums over blocks are all-reduced over every mesh dim that splits ``p``."""
 
     def __init__(self, p: DTensor, part: ParamPartition, sub_block: int) -> None:
         self.p, self.part, self.sub_block = p, part, sub_block
-        self.group, world, rank = row_split(p)
-        dim0 = p.shape[0]
-        per_rank = -(-dim0 // world)
-        start, end = min(rank * per_rank, dim0), min((rank + 1) * per_rank, dim0)
+        self.groups = split_groups(p)  # a block's sum of g² is all-reduced over each in turn
+        self.rows_split = row_shard_group(p) is not None  # whole rows here, split on one mesh dim
         self.local = p.to_local()
         self.vector = p.dim() < 2  # one row: the local elements are part of it
-        rows = range(0, 1 if end > start else 0) if self.vector else range(start, end)
+        rows = ([0] if self.local.numel() else []) if self.vector else local_row_indices(p).tolist()
         bounds = part.block_rows()
         block_of_row = torch.bucketize(torch.arange(part.rows), torch.tensor(bounds[1:]), right=True)
-        self.block_ids_host = block_of_row[list(rows)].tolist()  # the block of each local row
+        self.block_ids_host = block_of_row[rows].tolist()  # the block of each local row
         self.block_ids = torch.tensor(self.block_ids_host, dtype=torch.int64, device=self.local.device)
         self.rows_local = rows_are_blocks(p, part)
         # where each local row's second moment sits in the local second-moment tensor
@@ -135,15 +132,16 @@ def row_mean_sq(item: ShardedParam, g: Tensor) -> Tensor:
 
 def reduce_block_sums(sums: list[tuple[ShardedParam, Tensor]]) -> dict[int, Tensor]:
     """The blocks' mean g² of each (param, this rank's Σ g² over its part of each block [blocks]),
-    by ``id`` of the ShardedParam: one all-reduce per shard group carries every param's sums (call
+    by ``id`` of the ShardedParam: one all-reduce per split mesh dim carries every param's sums (call
     it once per step, for all param groups)."""
-    pending: dict[int, list[int]] = {}
+    pending: dict[tuple, list[int]] = {}
     for i, (item, _) in enumerate(sums):
-        pending.setdefault(id(item.group), []).append(i)
+        pending.setdefault(tuple(map(id, item.groups)), []).append(i)
     means = {}
     for members in pending.values():
         flat = torch.cat([sums[i][1] for i in members])
-        dist.all_reduce(flat, group=sums[members[0]][0].group)
+        for group in sums[members[0]][0].groups:
+            dist.all_reduce(flat, group=group)
         flat /= torch.cat([sums[i][0].block_numel for i in members])
         for i, chunk in zip(members, flat.split([sums[i][1].numel() for i in members]), strict=True):
             means[id(sums[i][0])] = chunk

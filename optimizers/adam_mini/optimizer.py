@@ -28,14 +28,13 @@ from ..shared.checks import (
     evaluate_closure,
     warn_if_nothing_stepped,
 )
-from ..shared.dtensor import DTensor, local
+from ..shared.dtensor import DTensor, local, row_shard_group
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .distributed import (
     ShardedParam,
     reduce_block_sums,
     row_mean_sq,
-    row_split,
     second_moment_zeros,
     sharded_adam_mini_step,
     sharded_fp8_state,
@@ -155,10 +154,6 @@ class AdamMini(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(split_groups, defaults)
         for g in self.param_groups:
-            for p in g["params"]:
-                if isinstance(p, DTensor):
-                    self._check_sharded(p)
-        for g in self.param_groups:
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self.telemetry = Telemetry(TELEMETRY)
         self._plans: dict[int, tuple] = {}  # group index -> its plans (and a sharded key: the sharded ones)
@@ -185,18 +180,15 @@ class AdamMini(torch.optim.Optimizer):
         return rows
 
     def _momentum_name(self, p: Tensor) -> str:
-        """The momentum dtype ``p`` gets: FP8 needs the kernels' sm89+ GPU, except on a sharded
-        matrix, which PyTorch ops step on any device; a sharded vector (split inside its one row,
-        across FP8 sub-blocks) keeps bf16."""
+        """The momentum dtype ``p`` gets: FP8 needs the kernels' sm89+ GPU, except on a matrix
+        whose rows FSDP2 splits, which PyTorch ops step on any device; other sharded params (a
+        vector split inside its one row, a matrix with split columns: FP8 sub-blocks would cross
+        the split) keep bf16."""
         if self.momentum_dtype != "fp8":
             return self.momentum_dtype
         if isinstance(p, DTensor):
-            return "fp8" if p.dim() >= 2 else "bf16"
+            return "fp8" if p.dim() >= 2 and row_shard_group(p) is not None else "bf16"
         return "fp8" if fp8_supported(p.device) else "bf16"
-
-    def _check_sharded(self, p: DTensor) -> None:
-        """TypeError for a DTensor layout the sharded step does not take."""
-        row_split(p)
 
     def _init_state(self, p: Tensor, part: ParamPartition) -> dict:
         state = self.state[p]
@@ -343,7 +335,8 @@ class AdamMini(torch.optim.Optimizer):
             if item is None or item.p is not p:
                 item = self._sharded[id(p)] = ShardedParam(p, self._parts[id(p)], self.sub_block)
             fp8 = state["exp_avg"].dtype == torch.float8_e4m3fn
-            if self._path(local(p)) == "triton" and (not fp8 or fp8_supported(local(p).device)):
+            kernels = self._path(local(p)) == "triton" and (not fp8 or fp8_supported(local(p).device))
+            if kernels and item.rows_split:  # split columns (tensor parallelism) take PyTorch ops
                 buckets.setdefault((local(p).device, p.dtype, state["exp_avg"].dtype), []).append(item)
             else:
                 reference.append(item)

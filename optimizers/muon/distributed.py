@@ -19,6 +19,10 @@ Every matrix is orthogonalized once per step on its fully reduced gradient, by t
 as in one process, so the result does not depend on the world size; the traffic is about twice
 the batch in bf16, where gathering every matrix everywhere moves W/2 times more and repeats NS on
 every rank.
+
+Matrices split otherwise (tensor parallelism's ``Shard(1)``, FSDP2 + TP's 2-D layouts) take that
+plain scheme (``GatheredMuonBatch``): each rank gathers each whole matrix, runs NS on the batch and
+keeps its own part of O; the same arithmetic again, so the same bits as one process.
 """
 
 from __future__ import annotations
@@ -28,24 +32,11 @@ import math
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import Shard
 
 from ..shared.checks import checked_grads
-from ..shared.dtensor import DTensor, local
+from ..shared.dtensor import DTensor, local, local_part, row_shard_group
 from .newton_schulz import iterate, ns_on_triton
 from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer
-
-
-def shard_group(p: DTensor):
-    """(process group, world, rank) of the mesh dim that splits ``p``'s rows; TypeError for other
-    layouts (a split of columns, as tensor parallelism's Shard(1), is not taken yet)."""
-    sharded = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
-    rows_split = len(sharded) == 1 and type(p.placements[sharded[0]]) is Shard and p.placements[sharded[0]].dim == 0
-    if not rows_split:
-        raise TypeError(f"Muon takes DTensor matrices whose rows are split on one mesh dim (FSDP2, HSDP); "
-                        f"a parameter of shape {tuple(p.shape)} has placements {p.placements}")  # fmt: skip
-    mesh, dim = p.device_mesh, sharded[0]
-    return mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
 
 
 class ShardedMuonBatch:
@@ -56,7 +47,7 @@ class ShardedMuonBatch:
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor]) -> None:
         self.params, self.bufs = params, bufs
-        self.group, self.world, self.rank = shard_group(params[0])
+        self.group, self.world, self.rank = row_shard_group(params[0])
         self.rows = params[0].shape[0]
         self.cols = math.prod(params[0].shape[1:])
         self.per_rank = -(-self.rows // self.world)
@@ -97,8 +88,7 @@ class ShardedMuonBatch:
 
     def orthogonalize(self, h: MuonHyper) -> Tensor:
         """NS of this batch alone, on torch's ops (CPU; the CUDA batches run as one graph)."""
-        norm = torch.linalg.vector_norm(self.x, dim=(-2, -1), keepdim=True)
-        return iterate(self.x / norm.clamp(min=h.eps), h.schedule) if len(self.owned) else self.x
+        return orthogonalize(self.x, h)
 
     def scatter(self, h: MuonHyper, ortho: Tensor) -> None:
         """Step 4: each rank's rows of O (the owner's ``ortho``, (owned, m, n)) back to it; weight
@@ -120,6 +110,63 @@ class ShardedMuonBatch:
         return self._amax
 
 
+def orthogonalize(x: Tensor, h: MuonHyper) -> Tensor:
+    """NS of a batch x (B, m, n) bf16, m <= n, on its own, as one process's torch path runs it."""
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    return iterate(x / norm.clamp(min=h.eps), h.schedule) if len(x) else x
+
+
+class GatheredMuonBatch:
+    """Same-shape DTensor matrices of one group, dtype, mesh and placements whose rows are not split
+    on one mesh dim alone (tensor parallelism's column split ``Shard(1)``, or FSDP2 + TP's 2-D
+    layouts): every rank gathers each whole matrix (``full_tensor``: an all-gather per split mesh
+    dim), runs NS on the batch and keeps its own part of O. NS runs on every rank of the mesh, and
+    the gathers are one per matrix, not one per batch: the owner scheme of ``ShardedMuonBatch``
+    needs whole rows on each rank."""
+
+    def __init__(self, params: list[DTensor], bufs: list[DTensor]) -> None:
+        self.params, self.bufs = params, bufs
+        self.local_params = [local(p) for p in params]
+        self.local_bufs = [local(b) for b in bufs]
+        self.device, self.dtype = self.local_params[0].device, params[0].dtype
+        self.rows, self.cols = params[0].shape[0], math.prod(params[0].shape[1:])
+        self.tall = self.rows > self.cols
+        self.owned = list(range(len(params)))  # every rank orthogonalizes every matrix
+        m, n = sorted((self.rows, self.cols))
+        self.x = torch.empty((len(params), m, n), dtype=torch.bfloat16, device=self.device)
+        self.norm = torch.empty(len(params), dtype=torch.float32, device=self.device)
+        self._amax = torch.zeros((), device=self.device)
+
+    def gather(self, h: MuonHyper) -> None:
+        """The momentum of this rank's part, then NS's bf16 input gathered whole into ``x`` and its
+        norms (as ``ShardedMuonBatch.gather``)."""
+        grads = checked_grads(self.params)
+        torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
+        updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
+        for i, (p, u) in enumerate(zip(self.params, updates, strict=True)):
+            part = DTensor.from_local(u.to(torch.bfloat16), p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())  # fmt: skip
+            full = part.full_tensor().reshape(self.rows, self.cols)
+            self.x[i].copy_(full.mT if self.tall else full)
+        self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=h.eps_bf16))
+
+    def orthogonalize(self, h: MuonHyper) -> Tensor:
+        return orthogonalize(self.x, h)
+
+    def scatter(self, h: MuonHyper, ortho: Tensor) -> None:
+        """Weight decay and the update on this rank's part of each matrix, cut from the whole O."""
+        step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
+        full = (ortho.mT if self.tall else ortho).reshape(len(self.params), *self.params[0].shape)
+        mine = [local_part(o, p) for o, p in zip(full.unbind(0), self.params, strict=True)]
+        torch._foreach_mul_(self.local_params, 1 - h.lr * h.weight_decay)
+        torch._foreach_add_(self.local_params, mine, alpha=-step_lr)
+        self._amax = torch.stack([o.abs().amax() for o in mine]).max().float() * step_lr
+
+    def update_amax(self) -> Tensor:
+        """This rank's part's largest |adjusted lr · O| of the last step (0-d fp32)."""
+        return self._amax
+
+
 class ShardedMuonGroupPlan:
     """The sharded batches of one Muon group's DTensor params with grads; on CUDA the owners' NS
     iterations of all batches of a device run together, as one process's do (``plan.JointNS``)."""
@@ -130,11 +177,13 @@ class ShardedMuonGroupPlan:
         for p in params:
             if p.is_complex():  # torch.optim.Muon's error
                 raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(p.shape)})")
-            group = shard_group(p)[0]
             init_momentum_buffer(p, state[p])
-            batches.setdefault((tuple(p.shape), p.dtype, local(p).device, id(group)), []).append(p)
-        self.batches = [ShardedMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps]) for ps in batches.values()]
-        joint: dict[torch.device, list[ShardedMuonBatch]] = {}
+            rows = row_shard_group(p)
+            layout = ("rows", id(rows[0])) if rows else ("gathered", id(p.device_mesh), tuple(p.placements))
+            batches.setdefault((tuple(p.shape), p.dtype, local(p).device, layout), []).append(p)
+        self.batches = [(ShardedMuonBatch if key[3][0] == "rows" else GatheredMuonBatch)(
+                            ps, [state[p]["momentum_buffer"] for p in ps]) for key, ps in batches.items()]  # fmt: skip
+        joint: dict[torch.device, list] = {}
         for b in self.batches:
             if b.owned and ns_on_triton(b.x):
                 joint.setdefault(b.device, []).append(b)

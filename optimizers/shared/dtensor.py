@@ -9,10 +9,11 @@ beside the param's. Local shards are uneven and may be empty (a tail rank of a s
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # a torch built without distributed support: no DTensor can reach us
     DTensor = ()
 
@@ -20,3 +21,42 @@ except ImportError:  # a torch built without distributed support: no DTensor can
 def local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (the same tensor object at every call, not a copy), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def row_shard_group(p: DTensor):
+    """(process group, size, local rank) of the one mesh dim that splits ``p``'s dim 0 where that is
+    ``p``'s only split (FSDP2; HSDP's shard dim, its replicate dim holding copies); None for any
+    other layout (columns split, as tensor parallelism's Shard(1); dim 0 split on two mesh dims)."""
+    split = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
+    if len(split) != 1 or type(p.placements[split[0]]) is not Shard or p.placements[split[0]].dim != 0:
+        return None
+    mesh, dim = p.device_mesh, split[0]
+    return mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+
+
+def split_groups(p: DTensor) -> tuple:
+    """The process groups of the mesh dims that split ``p`` (those not replicated), in mesh order:
+    a sum over ``p``'s elements is all-reduced over each of them in turn."""
+    return tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements) if not pl.is_replicate())
+
+
+def cut_locally(full: Tensor, mesh, placements) -> DTensor:
+    """``full`` (the whole tensor, the same on every rank) as a DTensor with ``placements`` on
+    ``mesh``, each rank keeping its part: no communication (Replicate to a split cuts locally)."""
+    whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, placements)
+
+
+def local_part(full: Tensor, like: DTensor) -> Tensor:
+    """This rank's part of ``full`` (the whole tensor, the same on every rank) as ``like`` holds it
+    locally, for any placements (``cut_locally``)."""
+    return cut_locally(full, like.device_mesh, like.placements).to_local()
+
+
+def local_row_indices(p: DTensor) -> Tensor:
+    """The global indices (int64, on ``p``'s local device) of the dim-0 entries ``p`` holds here: its
+    rows, or for a 1-D ``p`` its elements. Splits of other dims leave every row partly here."""
+    # Shard(0), and FSDP2 + TP's _StridedShard(0) (not a Shard subclass in every torch version)
+    rows_only = [pl if getattr(pl, "dim", None) == 0 and not pl.is_replicate() else Replicate() for pl in p.placements]
+    index = torch.arange(p.shape[0], device=p.to_local().device)
+    return cut_locally(index, p.device_mesh, rows_only).to_local()
