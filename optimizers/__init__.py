@@ -1,6 +1,6 @@
 """kernel_factory.optimizers: torch.optim-compatible optimizers backed by generated kernels.
 
-One sub-package per family (``adamw``, ``adam_mini``, ``muon``), ``shared`` for what families
+One sub-package per family (``adamw``, ``adam_mini``, ``muon``, ``turbo_adam``), ``shared`` for what families
 share, ``parity`` for the parity tools and ``tune`` for the tuning command line.
 """
 
@@ -8,6 +8,8 @@ from .adam_mini import AdamMini, ModelShape, NameRules, ReferenceAdamMini, forma
 from .adamw import Adam, AdamW, DistributedAdamW, ReferenceAdam, ReferenceAdamW
 from .muon import Muon, fast_newton_schulz
 from .shared.clip_grad import clip_grad_norm_
+from .turbo_adam import TurboAdam
 
 __all__ = ["Adam", "AdamMini", "AdamW", "DistributedAdamW", "ModelShape", "Muon", "NameRules", "ReferenceAdam",
-           "ReferenceAdamMini", "ReferenceAdamW", "clip_grad_norm_", "fast_newton_schulz", "format_table"]
+           "ReferenceAdamMini", "ReferenceAdamW", "TurboAdam", "clip_grad_norm_", "fast_newton_schulz",
+           "format_table"]

@@ -1,0 +1,165 @@
+"""TurboAdam: AdamW whose moments are stored compressed (codecs.py), a drop-in for turboadam's class.
+
+    opt = TurboAdam(model.parameters(), lr=3e-4, weight_decay=0.1)   # ~0.77 B of state per param
+
+With both codecs off (or for tensors under the size thresholds) a parameter steps through AdamW's
+own stepper (exact fp32 moments, bitwise our AdamW); compressed parameters take the PyTorch
+reference step (reference.py) for now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from ..shared.checks import (
+    check_adam_hyperparameters,
+    check_param_grad,
+    check_params_once,
+    evaluate_closure,
+    warn_if_nothing_stepped,
+)
+from ..shared.state_dict import own_loaded_state
+from ..shared.steppers import group_state_init, group_stepper
+from . import codecs
+from .reference import Layout, decoded_moments, init_state, matrix_view, turbo_adam_step
+
+V_BITS = (2, 4, 8)  # 2: factored base + 2-bit codes on matrices (4-bit codes on vectors); 4, 8: per element
+# torch AdamW's group keys, so that DCP's strict loads and checkpoints from torch.optim.AdamW work
+_ADAMW_KEYS = dict(amsgrad=False, maximize=False, foreach=None, fused=None, differentiable=False,
+                   decoupled_weight_decay=True)  # fmt: skip
+
+
+class TurboAdam(torch.optim.Optimizer):
+    """AdamW with compressed moments (decoupled weight decay).
+
+    Args:
+        params: tensors or param-group dicts; fp32, bf16 or fp16.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (weight_decay default 0.01).
+        block_size: elements per block within a row (per-block scales and grid bases): 32 to 4096,
+            a multiple of 32.
+        v_bits: 2 (default: matrices keep Adafactor's row and column means and a 2-bit code per
+            element; vectors 4-bit codes), 4 or 8 (per-element log codes).
+        compress_m, compress_v: False keeps that moment exact (fp32), e.g. a v-only mode.
+        capturable: accepted (torch's meaning); the step reads its count on the host for now.
+        min_m_compress_elements, min_v_compress_elements: smaller tensors keep exact fp32 moments.
+        seed: the stochastic rounding's random stream (a counter hash of seed, step, element).
+
+    State per parameter: ``step``; the first moment as ``exp_avg`` (fp32) or ``exp_avg_codes``
+    (uint8, two 4-bit codes a byte, rows x ceil(cols / 2)) with ``exp_avg_scale`` (bf16, one per
+    block); the second moment as ``exp_avg_sq`` (fp32) or ``exp_avg_sq_codes`` (uint8) with
+    ``exp_avg_sq_row`` / ``exp_avg_sq_col`` (fp32 row and column means, factored) or
+    ``exp_avg_sq_base`` (int16 per block, per-element codes). ``decoded_state(p)`` gives the moments
+    as torch AdamW keeps them.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        block_size: int = 128,
+        v_bits: int = 2,
+        compress_m: bool = True,
+        compress_v: bool = True,
+        capturable: bool = False,
+        min_m_compress_elements: int = 4096,
+        min_v_compress_elements: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 32 <= block_size <= 4096 \
+                or block_size % 32:  # fmt: skip
+            raise ValueError(f"block_size must be a multiple of 32 in [32, 4096], got {block_size!r}")
+        if v_bits not in V_BITS:
+            raise ValueError(f"v_bits must be one of {V_BITS}, got {v_bits!r}")
+        for name, value in (("compress_m", compress_m), ("compress_v", compress_v), ("capturable", capturable)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        for name, value in (("min_m_compress_elements", min_m_compress_elements),
+                            ("min_v_compress_elements", min_v_compress_elements), ("seed", seed)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size, v_bits=v_bits,
+                        compress_m=compress_m, compress_v=compress_v, capturable=capturable,
+                        min_m_compress_elements=min_m_compress_elements,
+                        min_v_compress_elements=min_v_compress_elements, **_ADAMW_KEYS)  # fmt: skip
+        self.seed = seed
+        super().__init__(params, defaults)
+        self._exact_plans: dict[int, object] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for p in group["params"]:
+            if p.requires_grad and not p.is_meta and not p.is_complex():
+                self._init_state(p, group)
+
+    def layout(self, p: Tensor, group: dict) -> Layout:
+        """How ``p``'s moments are kept in ``group`` (thresholds, flags, v_bits, the shape)."""
+        n = p.numel()
+        compress_v = group["compress_v"] and n >= group["min_v_compress_elements"]
+        codec = None
+        if compress_v:
+            factored = codecs.FACTORED if p.dim() >= 2 else codecs.LOG4  # a vector has no columns to factor
+            codec = {2: factored, 4: codecs.LOG4, 8: codecs.LOG8}[group["v_bits"]]
+        return Layout(group["compress_m"] and n >= group["min_m_compress_elements"], codec, group["block_size"])
+
+    def _init_state(self, p: Tensor, group: dict) -> None:
+        if self.state[p]:
+            return
+        layout = self.layout(p, group)
+        if layout.exact:  # AdamW's own state (fp32 like the param's dtype rule of AdamW: exact)
+            group_state_init("adamw")({**group, "params": [p], "state_dtype": "fp32"}, self.state)
+        else:
+            self.state[p].update(init_state(p, layout))
+
+    def decoded_state(self, p: Tensor) -> dict[str, Tensor]:
+        """``p``'s state as torch.optim.AdamW keeps it: ``step``, ``exp_avg``, ``exp_avg_sq`` (fp32,
+        the parameter's shape), decoded from the codes."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        state, layout = self.state[p], self.layout(p, group)
+        m, v = decoded_moments(state, matrix_view(p).shape, layout)
+        return {"step": state["step"].clone(), "exp_avg": m.view_as(p), "exp_avg_sq": v.view_as(p)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader, then every state tensor back in its saved dtype (torch casts floating
+        states to the parameter dtype: bf16 scales and fp32 moments of a bf16 param would change)."""
+        super().load_state_dict(state_dict)
+        own_loaded_state(self, state_dict, lambda p, key, saved: True)
+        self._exact_plans = {}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One TurboAdam update of every parameter with a grad. Returns ``closure()``'s loss."""
+        loss = evaluate_closure(closure)
+        check_params_once(self)
+        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            exact = [p for p in params if self.layout(p, group).exact]
+            if exact:  # AdamW's fused step, exact fp32 moments
+                for p in exact:
+                    self._init_state(p, group)
+                plan = group_stepper("adamw")(self._exact_plans, index, exact, self.state,
+                                              {**group, "state_dtype": "fp32"})  # fmt: skip
+                plan.run({**group, "state_dtype": "fp32"}, None, None)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            for i, p in enumerate(group["params"]):
+                if p.grad is None or self.layout(p, group).exact:
+                    continue
+                check_param_grad(i, p, p.grad)
+                self._init_state(p, group)
+                turbo_adam_step(p, p.grad, self.state[p], self.layout(p, group), lr=float(group["lr"]), beta1=beta1,
+                                beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                                seed=self._param_seed(index, i))  # fmt: skip
+        return loss
+
+    def _param_seed(self, group: int, index: int) -> int:
+        """The random stream of parameter ``index`` of group ``group``: the same on every rank."""
+        return (self.seed * 1_000_003 + group * 65_537 + index) & 0xFFFFFFFF

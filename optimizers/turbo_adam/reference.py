@@ -1,0 +1,110 @@
+"""TurboAdam's step in plain PyTorch, one parameter at a time: decode the stored moments, form this
+step's exact fp32 moments and AdamW's update from them, re-encode (codecs.py). The CPU path and the
+oracle the kernels will be held to."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import codecs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one parameter's moments are kept: ``m`` compressed or exact; ``v`` one of
+    ``codecs.V_CODECS`` or None (exact); ``block`` elements per block within a row."""
+
+    compress_m: bool
+    v_codec: str | None
+    block: int
+
+    @property
+    def exact(self) -> bool:
+        return not self.compress_m and self.v_codec is None
+
+
+def matrix_view(t: Tensor) -> Tensor:
+    """``t`` as (rows, cols): rows = shape[0], a vector (or a scalar) one row."""
+    return t.reshape(1, -1) if t.dim() < 2 else t.reshape(t.shape[0], -1)
+
+
+def init_state(p: Tensor, layout: Layout) -> dict[str, Tensor]:
+    """Zero state of ``p`` in ``layout`` (docstring of ``TurboAdam`` lists the keys)."""
+    rows, cols = matrix_view(p).shape
+    nb = -(-cols // layout.block)
+    dev = p.device
+    state = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
+    if layout.compress_m:
+        state["exp_avg_codes"] = torch.zeros((rows, -(-cols // 2)), dtype=torch.uint8, device=dev)
+        state["exp_avg_scale"] = torch.zeros((rows, nb), dtype=torch.bfloat16, device=dev)
+    else:
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+    if layout.v_codec is None:
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return state
+    bits, _ = codecs.V_CODECS[layout.v_codec]
+    state["exp_avg_sq_codes"] = torch.zeros((rows, -(-cols * bits // 8)), dtype=torch.uint8, device=dev)
+    if layout.v_codec == codecs.FACTORED:
+        state["exp_avg_sq_row"] = torch.zeros(rows, dtype=torch.float32, device=dev)
+        state["exp_avg_sq_col"] = torch.zeros(cols, dtype=torch.float32, device=dev)
+    else:
+        state["exp_avg_sq_base"] = torch.zeros((rows, nb), dtype=torch.int16, device=dev)
+    return state
+
+
+def decoded_moments(state: dict[str, Tensor], shape: tuple[int, int], layout: Layout) -> tuple[Tensor, Tensor]:
+    """(m, v) fp32 (rows, cols) as stored."""
+    _, cols = shape
+    if layout.compress_m:
+        m = codecs.decode_m(state["exp_avg_codes"], state["exp_avg_scale"], cols, layout.block)
+    else:
+        m = matrix_view(state["exp_avg"]).clone()
+    if layout.v_codec is None:
+        v = matrix_view(state["exp_avg_sq"]).clone()
+    elif layout.v_codec == codecs.FACTORED:
+        v = codecs.decode_v_factored(state["exp_avg_sq_codes"], state["exp_avg_sq_row"], state["exp_avg_sq_col"])
+    else:
+        v = codecs.decode_v_log(state["exp_avg_sq_codes"], state["exp_avg_sq_base"], layout.v_codec, cols, layout.block)
+    return m, v
+
+
+def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: Layout, *, lr: float, beta1: float,
+                    beta2: float, eps: float, weight_decay: float, seed: int) -> None:  # fmt: skip
+    """One TurboAdam step of ``p`` (fp32, bf16 or fp16) in place: AdamW's update from this step's
+    exact fp32 moments, then the moments re-encoded. ``seed``: this parameter's random stream."""
+    x = matrix_view(p)
+    g = matrix_view(grad).float()
+    rows, cols = x.shape
+    state["step"] += 1
+    step = int(state["step"].item())
+    m, v = decoded_moments(state, (rows, cols), layout)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1, bc2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+    xf = x.float()
+    xf.mul_(1 - lr * weight_decay)
+    xf.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
+    x.copy_(xf)
+    if layout.compress_m:  # into the existing storage (a loaded state, a captured graph keep theirs)
+        codes, scale = codecs.encode_m(m, layout.block)
+        state["exp_avg_codes"].copy_(codes)
+        state["exp_avg_scale"].copy_(scale)
+    else:
+        matrix_view(state["exp_avg"]).copy_(m)
+    if layout.v_codec is None:
+        matrix_view(state["exp_avg_sq"]).copy_(v)
+        return
+    index = torch.arange(rows * cols, dtype=torch.int64, device=g.device).view(rows, cols)
+    u = codecs.uniform(seed, step, index)
+    if layout.v_codec == codecs.FACTORED:
+        sq = g * g
+        state["exp_avg_sq_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
+        state["exp_avg_sq_col"].mul_(beta2).add_(sq.mean(0), alpha=1 - beta2)
+        codes = codecs.encode_v_factored(v, state["exp_avg_sq_row"], state["exp_avg_sq_col"], u)
+    else:
+        codes = codecs.encode_v_log(v, state["exp_avg_sq_base"], layout.v_codec, layout.block, u)
+    state["exp_avg_sq_codes"].copy_(codes)

@@ -1,0 +1,172 @@
+"""TurboAdam on CPU: its codecs (bounds, lattices, random bits), the optimizer's torch.optim
+behaviour, and its fidelity to exact AdamW on the benchmark's stream."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.fidelity import HYPER, Subject, measure
+from kernel_factory.optimizers import AdamW, TurboAdam
+from kernel_factory.optimizers.turbo_adam import codecs
+
+
+def test_with_both_codecs_off_it_is_bitwise_our_adamw():
+    torch.manual_seed(0)
+    shapes = [(64, 256), (300,), (3, 5)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = TurboAdam(ours, lr=1e-2, weight_decay=0.1, compress_m=False, compress_v=False)
+    ref = AdamW(twins, lr=1e-2, weight_decay=0.1)
+    for _ in range(5):
+        for p, q in zip(ours, twins, strict=True):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, twins, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def test_first_moment_codes_round_to_nearest_on_the_lattice_they_decode_on():
+    """|decoded - m| <= scale / 2 per element (no clipping: the bf16 scale is rounded up), at
+    magnitudes down to 1e-30 (bf16 keeps fp32's exponent range: no scale underflows)."""
+    gen = torch.Generator().manual_seed(1)
+    for magnitude in (1.0, 1e-8, 1e-30):
+        m = torch.randn(7, 300, generator=gen) * magnitude
+        codes, scale = codecs.encode_m(m, 128)
+        assert codes.dtype == torch.uint8 and codes.shape == (7, 150) and scale.shape == (7, 3)
+        back = codecs.decode_m(codes, scale, 300, 128)
+        per_element = codecs.blocks_of(torch.ones_like(m), 128) * scale.float()[..., None]
+        bound = per_element.view(7, -1)[:, :300] / 2
+        assert (scale.float() > 0).all()
+        assert ((back - m).abs() <= bound * (1 + 1e-6)).all(), magnitude
+        assert torch.equal(codecs.decode_m(*codecs.encode_m(back, 128), 300, 128), back)  # a fixed point
+
+
+def test_random_bits_are_a_deterministic_hash_of_seed_step_and_element():
+    index = torch.arange(1 << 16)
+    u = codecs.uniform(3, 10, index)
+    assert torch.equal(u, codecs.uniform(3, 10, index))
+    assert not torch.equal(u, codecs.uniform(3, 11, index)) and not torch.equal(u, codecs.uniform(4, 10, index))
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    # 65536 uniforms: mean 0.5 within 5 standard errors (1 / sqrt(12 * 65536) each)
+    assert abs(float(u.mean()) - 0.5) < 5 / math.sqrt(12 * 65536)
+    x = torch.full((1 << 16,), 2.3)
+    assert abs(float(codecs.stochastic_round(x, u).mean()) - 2.3) < 5 * math.sqrt(0.21 / 65536)
+
+
+@pytest.mark.parametrize("codec", [codecs.LOG4, codecs.LOG8])
+def test_moving_a_blocks_range_never_moves_its_stored_values(codec):
+    """Per-element log codes: the base moves by whole grid steps, so values on the grid stay put when
+    another element of the block forces a shift; code 0 is exact zero."""
+    bits, delta = codecs.V_CODECS[codec]
+    base = torch.zeros((1, 1), dtype=torch.int16)
+    on_grid = torch.exp(torch.tensor([[0.0, 1.0, 2.0, 3.0]]) * delta) * math.exp(40 * delta)
+    v = torch.cat([on_grid, torch.zeros(1, 1)], dim=1)
+    u = torch.full(v.shape, 0.5)
+    codes = codecs.encode_v_log(v, base, codec, 32, u)
+    first = codecs.decode_v_log(codes, base, codec, 5, 32)
+    assert float(first[0, 4]) == 0.0
+    torch.testing.assert_close(first[:, :4], on_grid, rtol=1e-5, atol=0)
+    grown = v.clone()
+    grown[0, 3] *= math.exp(3 * delta)  # the top moves up three steps: the base follows
+    codes = codecs.encode_v_log(grown, base, codec, 32, u)
+    second = codecs.decode_v_log(codes, base, codec, 5, 32)
+    assert torch.equal(second[:, :3], first[:, :3])
+
+
+def test_factored_codes_keep_values_on_their_grid_and_zero_rows_at_zero():
+    bits, delta = codecs.V_CODECS[codecs.FACTORED]
+    row, col = torch.tensor([1.0, 4.0, 0.0]), torch.tensor([2.0, 0.5, 1.0, 3.0])
+    base = codecs.factored_base(row, col)
+    k = torch.tensor([[-1.5, -0.5, 0.5, 1.5]]).expand(3, 4)
+    v = base * torch.exp(k * delta)
+    codes = codecs.encode_v_factored(v, row, col, torch.full(v.shape, 0.5))
+    back = codecs.decode_v_factored(codes, row, col)
+    torch.testing.assert_close(back, v, rtol=1e-5, atol=0)
+    assert float(back[2].abs().max()) == 0.0
+
+
+def test_state_layout_dtypes_and_a_weights_only_round_trip(tmp_path):
+    torch.manual_seed(0)
+    w, small = torch.nn.Parameter(torch.randn(512, 512)), torch.nn.Parameter(torch.randn(100))
+    opt = TurboAdam([w, small], lr=1e-2)
+    for _ in range(3):
+        w.grad, small.grad = torch.randn(512, 512), torch.randn(100)
+        opt.step()
+    assert {k: v.dtype for k, v in opt.state[w].items()} == {
+        "step": torch.float32, "exp_avg_codes": torch.uint8, "exp_avg_scale": torch.bfloat16,
+        "exp_avg_sq_codes": torch.uint8, "exp_avg_sq_row": torch.float32, "exp_avg_sq_col": torch.float32}
+    assert set(opt.state[small]) == {"step", "exp_avg", "exp_avg_sq"}  # under 4096 elements: exact
+    # 0.5 (m codes) + 2/128 (bf16 scales) + 0.25 (v codes) + 8 * 512 / 512^2 (row, column means)
+    state_bytes = sum(t.numel() * t.element_size() for k, t in opt.state[w].items() if k != "step")
+    assert state_bytes / w.numel() == pytest.approx(0.5 + 2 / 128 + 0.25 + 8 / 512)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    twin_w, twin_small = (torch.nn.Parameter(p.detach().clone()) for p in (w, small))
+    twin = TurboAdam([twin_w, twin_small], lr=1e-2)
+    twin.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert {k: v.dtype for k, v in twin.state[twin_w].items()} == {k: v.dtype for k, v in opt.state[w].items()}
+    for p, q in ((w, twin_w), (small, twin_small)):
+        p.grad = torch.randn(p.shape)
+        q.grad = p.grad.clone()
+    opt.step()
+    twin.step()
+    assert torch.equal(w, twin_w) and torch.equal(small, twin_small)
+
+
+def test_decoded_state_is_torch_adamws_layout():
+    w = torch.nn.Parameter(torch.zeros(32, 160))
+    opt = TurboAdam([w], lr=1e-3, min_m_compress_elements=0, min_v_compress_elements=0)
+    w.grad = torch.ones(32, 160)
+    opt.step()
+    state = opt.decoded_state(w)
+    assert state["exp_avg"].shape == w.shape and state["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(state["exp_avg"], torch.full_like(w, 0.1), rtol=2e-2, atol=0)
+    torch.testing.assert_close(state["exp_avg_sq"], torch.full_like(w, 1e-3), rtol=0.26, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_their_dtype(dtype):
+    w = torch.nn.Parameter(torch.randn(64, 128).to(dtype))
+    opt = TurboAdam([w], lr=1e-2)
+    w.grad = torch.randn(64, 128).to(dtype)
+    opt.step()
+    assert w.dtype == dtype and torch.isfinite(w.float()).all()
+
+
+def test_bad_arguments_name_the_parameter():
+    w = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="block_size"):
+        TurboAdam(w, block_size=100)
+    with pytest.raises(ValueError, match="v_bits"):
+        TurboAdam(w, v_bits=3)
+    with pytest.raises(TypeError, match="compress_m"):
+        TurboAdam(w, compress_m=1)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        TurboAdam(w, lr=-1.0)
+
+
+def test_the_same_steps_from_the_same_state_give_the_same_bits():
+    runs = []
+    for _ in range(2):
+        w = torch.nn.Parameter(torch.ones(64, 128))
+        opt = TurboAdam([w], lr=1e-2, seed=5)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(4):
+            w.grad = torch.randn(64, 128, generator=gen)
+            opt.step()
+        runs.append((w.detach().clone(), opt.state[w]["exp_avg_sq_codes"].clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_the_default_follows_exact_adamw_on_the_fidelity_stream():
+    """300 steps of the benchmark's stream (2 decades of row scales, |g| ~ 1e-7): the codecs'
+    measured figures there are cosine 0.96 and norm ratio 1.05 (docs/turbo_adam.md); held to the
+    issue's bars, cosine >= 0.9, norm ratio and median stored/exact v within 0.9-1.1."""
+    subject = Subject(lambda ps: TurboAdam(ps, **HYPER), lambda opt, p: opt.decoded_state(p)["exp_avg_sq"])
+    cosine, ratio, median, _ = measure(subject, (32, 512), 250, 2, 1e-7, "cpu")[250]
+    assert cosine >= 0.9 and 0.9 <= ratio <= 1.1 and 0.9 <= median <= 1.1, (cosine, ratio, median)
