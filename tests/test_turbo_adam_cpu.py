@@ -170,3 +170,78 @@ def test_the_default_follows_exact_adamw_on_the_fidelity_stream():
     subject = Subject(lambda ps: TurboAdam(ps, **HYPER), lambda opt, p: opt.decoded_state(p)["exp_avg_sq"])
     cosine, ratio, median, _ = measure(subject, (32, 512), 250, 2, 1e-7, "cpu")[250]
     assert cosine >= 0.9 and 0.9 <= ratio <= 1.1 and 0.9 <= median <= 1.1, (cosine, ratio, median)
+
+
+def _stepped(opt, params, steps=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+def test_torch_adamws_checkpoint_loads_and_its_own_exports_to_torch_adamw():
+    """Both ways: torch AdamW's moments are encoded on load (decoded back within the codecs' error);
+    ``adamw_state_dict`` loads into torch.optim.AdamW, whose next step then matches ours to the
+    codecs' error (update cosine >= 0.9, as the fidelity bars)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    torch_opt = torch.optim.AdamW([w], lr=1e-3)
+    _stepped(torch_opt, [w])
+    ours_w = torch.nn.Parameter(w.detach().clone())
+    ours = TurboAdam([ours_w], lr=1e-3)
+    ours.load_state_dict(torch_opt.state_dict())
+    assert ours.state[ours_w]["exp_avg_codes"].dtype == torch.uint8 and float(ours.state[ours_w]["step"]) == 3
+    decoded, exact = ours.decoded_state(ours_w), torch_opt.state[w]
+    # one nearest rounding on steps of amax / 7 per 128 Gaussians (amax up to ~3.3 sigma): rms error
+    # step / sqrt(12), at most 0.14 of m's rms
+    err_m = (decoded["exp_avg"] - exact["exp_avg"]).norm() / exact["exp_avg"].norm()
+    assert err_m < 0.14, err_m
+    log_v = torch.log(decoded["exp_avg_sq"] / exact["exp_avg_sq"])
+    assert abs(float(log_v.median())) < 0.1, float(log_v.median())
+
+    back_w = torch.nn.Parameter(ours_w.detach().clone())
+    back = torch.optim.AdamW([back_w], lr=1e-3)
+    back.load_state_dict(ours.adamw_state_dict())
+    assert torch.equal(back.state[back_w]["exp_avg"], decoded["exp_avg"])
+    before = ours_w.detach().clone()
+    for p in (ours_w, back_w):
+        p.grad = torch.ones_like(p)
+    ours.step()
+    back.step()
+    u, ue = (ours_w.detach() - before).flatten(), (back_w.detach() - before).flatten()
+    assert float(u @ ue / (u.norm() * ue.norm())) >= 0.9
+
+
+def test_grad_scalers_scale_is_divided_out_and_an_inf_skips_the_step():
+    torch.manual_seed(0)
+    w, ref = torch.nn.Parameter(torch.randn(64, 128)), None
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt, ref_opt = TurboAdam([w], lr=1e-2, seed=1), TurboAdam([ref], lr=1e-2, seed=1)
+    g = torch.randn(64, 128)
+    w.grad, ref.grad = g * 1024, g.clone()
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(w, ref, rtol=0, atol=0)
+    before = w.detach().clone()
+    opt.found_inf = torch.tensor(1.0)
+    opt.step()
+    assert torch.equal(w, before) and float(opt.state[w]["step"]) == 1
+
+
+def test_an_lr_scheduler_drives_it_as_it_drives_our_adamw():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(64, 128)), None
+    b = torch.nn.Parameter(a.detach().clone())
+    opt = TurboAdam([a], lr=1e-2, compress_m=False, compress_v=False)
+    ref = AdamW([b], lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref)]
+    for _ in range(3):
+        g = torch.randn(64, 128)
+        a.grad, b.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+    assert torch.equal(a, b) and opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 / 8

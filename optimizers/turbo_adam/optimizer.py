@@ -24,7 +24,7 @@ from ..shared.checks import (
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
 from . import codecs
-from .reference import Layout, decoded_moments, init_state, matrix_view, turbo_adam_step
+from .reference import Layout, convert_state, decoded_moments, init_state, layout_of_state, matrix_view, turbo_adam_step
 
 V_BITS = (2, 4, 8)  # 2: factored base + 2-bit codes on matrices (4-bit codes on vectors); 4, 8: per element
 # torch AdamW's group keys, so that DCP's strict loads and checkpoints from torch.optim.AdamW work
@@ -52,8 +52,12 @@ class TurboAdam(torch.optim.Optimizer):
     block); the second moment as ``exp_avg_sq`` (fp32) or ``exp_avg_sq_codes`` (uint8) with
     ``exp_avg_sq_row`` / ``exp_avg_sq_col`` (fp32 row and column means, factored) or
     ``exp_avg_sq_base`` (int16 per block, per-element codes). ``decoded_state(p)`` gives the moments
-    as torch AdamW keeps them.
+    as torch AdamW keeps them, ``adamw_state_dict()`` a state dict torch.optim.AdamW loads, and
+    ``load_state_dict`` takes torch AdamW's too (encoding its moments). ``GradScaler`` hands the
+    step ``grad_scale`` / ``found_inf``: grads are unscaled, and a step with an inf is skipped.
     """
+
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -127,11 +131,32 @@ class TurboAdam(torch.optim.Optimizer):
         m, v = decoded_moments(state, matrix_view(p).shape, layout)
         return {"step": state["step"].clone(), "exp_avg": m.view_as(p), "exp_avg_sq": v.view_as(p)}
 
+    def adamw_state_dict(self) -> dict:
+        """``state_dict()`` with every parameter's moments decoded into torch.optim.AdamW's keys
+        (``decoded_state``), for torch's AdamW (or ours) to load."""
+        out = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        out["state"] = {i: self.decoded_state(params[i]) if isinstance(i, int) else s for i, s in out["state"].items()}
+        return out
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then every state tensor back in its saved dtype (torch casts floating
-        states to the parameter dtype: bf16 scales and fp32 moments of a bf16 param would change)."""
+        states to the parameter dtype: bf16 scales and fp32 moments of a bf16 param would change);
+        a state kept otherwise than this optimizer keeps it (torch AdamW's moments, other
+        thresholds or ``v_bits``) is converted."""
         super().load_state_dict(state_dict)
         own_loaded_state(self, state_dict, lambda p, key, saved: True)
+        for index, group in enumerate(self.param_groups):
+            for key, value in self.defaults.items():  # torch AdamW's groups lack the codec options
+                group.setdefault(key, value)
+            for i, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                if not state:
+                    continue
+                target = self.layout(p, group)
+                loaded = layout_of_state(state, matrix_view(p).shape[1], target.block)
+                if loaded != target or (target.exact and state["exp_avg"].dtype != torch.float32):
+                    self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
         self._exact_plans = {}
 
     @torch.no_grad()
@@ -140,6 +165,10 @@ class TurboAdam(torch.optim.Optimizer):
         loss = evaluate_closure(closure)
         check_params_once(self)
         warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        # the compressed path reads found_inf on the host (one sync), as a PyTorch reference may
+        skip = found_inf is not None and bool(found_inf.item())
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             exact = [p for p in params if self.layout(p, group).exact]
@@ -148,14 +177,15 @@ class TurboAdam(torch.optim.Optimizer):
                     self._init_state(p, group)
                 plan = group_stepper("adamw")(self._exact_plans, index, exact, self.state,
                                               {**group, "state_dtype": "fp32"})  # fmt: skip
-                plan.run({**group, "state_dtype": "fp32"}, None, None)
+                plan.run({**group, "state_dtype": "fp32"}, grad_scale, found_inf)
             beta1, beta2 = (float(b) for b in group["betas"])
             for i, p in enumerate(group["params"]):
-                if p.grad is None or self.layout(p, group).exact:
+                if p.grad is None or self.layout(p, group).exact or skip:
                     continue
                 check_param_grad(i, p, p.grad)
                 self._init_state(p, group)
-                turbo_adam_step(p, p.grad, self.state[p], self.layout(p, group), lr=float(group["lr"]), beta1=beta1,
+                grad = p.grad if grad_scale is None else p.grad.float() / grad_scale.to(p.grad.device)
+                turbo_adam_step(p, grad, self.state[p], self.layout(p, group), lr=float(group["lr"]), beta1=beta1,
                                 beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                                 seed=self._param_seed(index, i))  # fmt: skip
         return loss

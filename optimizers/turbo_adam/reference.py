@@ -62,9 +62,9 @@ def decoded_moments(state: dict[str, Tensor], shape: tuple[int, int], layout: La
     if layout.compress_m:
         m = codecs.decode_m(state["exp_avg_codes"], state["exp_avg_scale"], cols, layout.block)
     else:
-        m = matrix_view(state["exp_avg"]).clone()
+        m = matrix_view(state["exp_avg"]).to(torch.float32, copy=True)
     if layout.v_codec is None:
-        v = matrix_view(state["exp_avg_sq"]).clone()
+        v = matrix_view(state["exp_avg_sq"]).to(torch.float32, copy=True)
     elif layout.v_codec == codecs.FACTORED:
         v = codecs.decode_v_factored(state["exp_avg_sq_codes"], state["exp_avg_sq_row"], state["exp_avg_sq_col"])
     else:
@@ -89,7 +89,19 @@ def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: L
     xf.mul_(1 - lr * weight_decay)
     xf.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
     x.copy_(xf)
-    if layout.compress_m:  # into the existing storage (a loaded state, a captured graph keep theirs)
+    if layout.v_codec == codecs.FACTORED:  # Adafactor's statistics of this step's g², then the codes
+        sq = g * g
+        state["exp_avg_sq_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
+        state["exp_avg_sq_col"].mul_(beta2).add_(sq.mean(0), alpha=1 - beta2)
+    store_moments(state, m, v, layout, seed, step)
+
+
+def store_moments(state: dict[str, Tensor], m: Tensor, v: Tensor, layout: Layout, seed: int, step: int) -> None:
+    """Encode fp32 m and v (rows, cols) into ``state``'s existing storage (a loaded state and a
+    captured graph keep theirs); the factored codec codes v against the row and column means the
+    state holds. ``step`` picks the random bits."""
+    rows, cols = m.shape
+    if layout.compress_m:
         codes, scale = codecs.encode_m(m, layout.block)
         state["exp_avg_codes"].copy_(codes)
         state["exp_avg_scale"].copy_(scale)
@@ -98,13 +110,34 @@ def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: L
     if layout.v_codec is None:
         matrix_view(state["exp_avg_sq"]).copy_(v)
         return
-    index = torch.arange(rows * cols, dtype=torch.int64, device=g.device).view(rows, cols)
-    u = codecs.uniform(seed, step, index)
+    u = codecs.uniform(seed, step, torch.arange(rows * cols, dtype=torch.int64, device=m.device).view(rows, cols))
     if layout.v_codec == codecs.FACTORED:
-        sq = g * g
-        state["exp_avg_sq_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
-        state["exp_avg_sq_col"].mul_(beta2).add_(sq.mean(0), alpha=1 - beta2)
         codes = codecs.encode_v_factored(v, state["exp_avg_sq_row"], state["exp_avg_sq_col"], u)
     else:
         codes = codecs.encode_v_log(v, state["exp_avg_sq_base"], layout.v_codec, layout.block, u)
     state["exp_avg_sq_codes"].copy_(codes)
+
+
+def layout_of_state(state: dict[str, Tensor], cols: int, block: int) -> Layout:
+    """The layout a state was kept in, read from its keys (and, for per-element log codes, from the
+    codes' width: 4 bits pack two per byte, 8 bits one)."""
+    codec = None
+    if "exp_avg_sq_row" in state:
+        codec = codecs.FACTORED
+    elif "exp_avg_sq_base" in state:
+        codec = codecs.LOG4 if state["exp_avg_sq_codes"].shape[-1] < cols or cols == 1 else codecs.LOG8
+    return Layout("exp_avg_codes" in state, codec, block)
+
+
+def convert_state(p: Tensor, state: dict[str, Tensor], target: Layout, seed: int) -> dict[str, Tensor]:
+    """``state`` (any layout: torch AdamW's ``exp_avg`` / ``exp_avg_sq``, or codes) re-kept in
+    ``target``; the factored codec's row and column means are taken from v's."""
+    rows, cols = matrix_view(p).shape
+    m, v = decoded_moments(state, (rows, cols), layout_of_state(state, cols, target.block))
+    out = init_state(p, target)
+    out["step"] = state["step"].detach().to(torch.float32).reshape(()).clone()
+    if target.v_codec == codecs.FACTORED:
+        out["exp_avg_sq_row"].copy_(v.mean(1))
+        out["exp_avg_sq_col"].copy_(v.mean(0))
+    store_moments(out, m.to(p.device), v.to(p.device), target, seed, int(out["step"].item()))
+    return out
