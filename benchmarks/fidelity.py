@@ -17,6 +17,7 @@ decoded second moment, the median of stored / exact v and the rms of |ln(stored 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -120,7 +121,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     available = subjects()
     names = args.subjects.split(",") if args.subjects else list(available)
-    lines = [f"Fidelity against exact AdamW: one {args.rows} x {args.cols} parameter, {args.device}",
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    lines = [f"Fidelity against exact AdamW: one {args.rows} x {args.cols} parameter, {where}",
              "", "| subject | spread (decades) | magnitude | step | update cosine | norm ratio | median v ratio | "
              "rms ln v ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name in names:
@@ -131,7 +133,8 @@ def main(argv=None) -> None:
                     lines.append(f"| {name} | {spread} | {magnitude:g} | {t} | {cosine:.3f} | {ratio:.3f} | "
                                  f"{median:.3f} | {rms:.3f} |")  # fmt: skip
                 print(lines[-1], flush=True)
-    lines += ["", f"Command: python benchmarks/fidelity.py {' '.join(argv or sys.argv[1:])}".strip()]
+    shown = [a for a in (argv or sys.argv[1:]) if not a.startswith("--out")]  # the output folder is local
+    lines += ["", f"Command: python benchmarks/fidelity.py {shlex.join(shown)}".strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"fidelity_{args.device}.md").write_text("\n".join(lines) + "\n")
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from kernel_factory.optimizers import Adam, AdamMini, AdamW, Muon
+from kernel_factory.optimizers import Adam, AdamMini, AdamW, Muon, TurboAdam
 from kernel_factory.optimizers.parity import compare_tensors
 from kernel_factory.optimizers.shared.dtensor import cut_locally, local, local_part
 
@@ -27,6 +27,9 @@ OPTIMIZERS = {
     "Adam-amsgrad": lambda params: Adam(params, lr=1e-2, weight_decay=0.1, amsgrad=True),
 }
 SHARDED_MUON = lambda params: Muon(params, lr=0.02, weight_decay=0.1, adamw_lr=1e-2)  # noqa: E731
+# Every tensor compressed (blocks of 32), so that the probe's small matrices keep codes.
+SHARDED_TURBO_ADAM = lambda params: TurboAdam(params, lr=1e-2, weight_decay=0.1, block_size=32,  # noqa: E731
+                                              min_m_compress_elements=0, min_v_compress_elements=0)  # fmt: skip
 # Names that give AdamMini every kind of block on SHAPES: rows, heads of 8 rows (split across ranks
 # at 4), a whole (2, 2, 3) tensor and a (1, 7) norm (split or empty), a bias (per element).
 ADAM_MINI_NAMES = ["layers.0.mlp.up_proj.weight", "layers.0.post_attention_layernorm.weight",
@@ -115,6 +118,12 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
     momentum buffers within ``tol`` (normwise relative; 0: bitwise)."""
     states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
+
+
+def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+    """4 TurboAdam steps at ``world`` ranks against one process, matrices only (a sharded vector keeps
+    exact moments where one process compresses them): params and every state within ``tol``."""
+    states_equal_to_one_process(rank, world, SHARDED_TURBO_ADAM, "auto", tol, device, compared=lambda q: q.dim() >= 2)
 
 
 def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",

@@ -20,6 +20,7 @@ from distributed import run_ranks
 from fsdp_probe import (
     OPTIMIZERS,
     SHARDED_MUON,
+    SHARDED_TURBO_ADAM,
     Probe,
     adam_mini_equal_to_one_process,
     equal_to_one_process,
@@ -30,6 +31,7 @@ from fsdp_probe import (
     sharded,
     sharded_adam_mini,
     targets,
+    turbo_adam_equal_to_one_process,
 )
 from tolerances import drift_tol
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -66,7 +68,8 @@ def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol):
 CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_MUON, "torch", 0.0),
                 "AdamMini-fp8": (lambda ps: sharded_adam_mini(ps, "fp8"), "auto", 1e-6),
                 "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6),
-                "AdamMini-fp32": (lambda ps: sharded_adam_mini(ps, "fp32"), "triton", 1e-6)}  # fmt: skip
+                "AdamMini-fp32": (lambda ps: sharded_adam_mini(ps, "fp32"), "triton", 1e-6),
+                "TurboAdam": (SHARDED_TURBO_ADAM, "auto", 1e-6)}  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])  # PyTorch ops on CPU; the fused kernel (interpreter)
@@ -75,6 +78,13 @@ def test_adam_mini_under_fsdp2_is_within_1e6_of_the_one_process_step(world, back
     """Every block kind, heads split across ranks at 4; fp32 momentum. Only the order of the block
     sums of g² differs from one process (a partial sum per rank, then the all-reduce)."""
     run_ranks(world, adam_mini_equal_to_one_process, backend, 1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_turbo_adam_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
+    """Codes, block scales and row means split like the rows, column means all-reduced; the random
+    bits follow the global element. Only the column sums' order differs from one process."""
+    run_ranks(world, turbo_adam_equal_to_one_process, 1e-6)
 
 
 def test_hsdp_replicas_step_their_shards_like_one_process():
@@ -114,6 +124,9 @@ def _load_and_step(rank: int, world: int, path: str, name: str) -> None:
     if name.startswith("AdamMini"):  # FP8 on matrices; bf16 on the vectors, split inside their one row
         expected = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[name[-4:].lstrip("-")]
         assert {s["exp_avg"].dtype for p, s in opt.state.items() if p.dim() >= 2} == {expected}
+    if name == "TurboAdam":  # codes stay uint8, scales bf16 (torch's loader would cast them to fp32)
+        assert {(s["exp_avg_codes"].dtype, s["exp_avg_scale"].dtype) for p, s in opt.state.items()
+                if p.dim() >= 2} == {(torch.uint8, torch.bfloat16)}  # fmt: skip
     fsdp_step(model, opt, 3, rank, world)
     full = [p.full_tensor() for p in model.params]
     expected = torch.load(os.path.join(path, "after_next_step.pt"))

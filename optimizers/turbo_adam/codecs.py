@@ -12,7 +12,7 @@ values are an (R, ceil(C / block)) array, as FSDP2 shards rows.
   each step, more than a code step, so nearest-rounding errors do not repeat (no drag), and their
   variance is half that of stochastic rounding (measured: update cosine 0.956 vs 0.927).
 - **Second moment, factored** (``FACTORED``, matrices): Adafactor's row and column means of g²
-  (exact fp32 EMAs) give a base r_i c_j / mean(r); each element keeps a 2-bit code k in
+  (exact fp32 EMAs) give a base r_i c_j / mean(c); each element keeps a 2-bit code k in
   {-1, 0, 1, 2} with v = base * 2^(k / 3). The base moves with the element's own expected motion,
   so an element off its code only re-rounds by the EMA's small step: stochastic rounding then
   moves a code with probability ~(1 - beta2) / step, and the stored v does not random-walk.
@@ -72,11 +72,16 @@ def blocks_of(x: Tensor, block: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, pad)).view(rows, (cols + pad) // block, block)
 
 
+def flat_rows(b: Tensor) -> Tensor:
+    """(R, nb, block) -> (R, nb * block) (``blocks_of``'s inverse, padding kept; R may be 0)."""
+    return b.reshape(b.shape[0], b.shape[1] * b.shape[2])
+
+
 def pack(codes: Tensor, bits: int) -> Tensor:
     """(R, C) small non-negative integers -> uint8 (R, ceil(C * bits / 8)), low bits first."""
     per = 8 // bits
     rows, cols = codes.shape
-    c = torch.nn.functional.pad(codes.to(torch.int32), (0, -cols % per)).view(rows, -1, per)
+    c = torch.nn.functional.pad(codes.to(torch.int32), (0, -cols % per)).view(rows, -(-cols // per), per)
     shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
 
@@ -86,7 +91,7 @@ def unpack(packed: Tensor, bits: int, cols: int) -> Tensor:
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.view(packed.shape[0], -1)[:, :cols]
+    return flat_rows(codes)[:, :cols]
 
 
 def _bf16_up(x: Tensor) -> Tensor:
@@ -103,20 +108,22 @@ def encode_m(m: Tensor, block: int) -> tuple[Tensor, Tensor]:
     scale = _bf16_up(b.abs().amax(-1) / M_LEVELS)
     s = scale.float()[..., None]
     q = torch.round(b / torch.where(s > 0, s, torch.ones_like(s))).clamp_(-M_LEVELS, M_LEVELS)
-    q = q.view(rows, -1)[:, :cols]
+    q = flat_rows(q)[:, :cols]
     return pack(q + M_LEVELS, 4), scale
 
 
 def decode_m(codes: Tensor, scale: Tensor, cols: int, block: int) -> Tensor:
     """``encode_m``'s inverse: fp32 (R, cols)."""
     q = (unpack(codes, 4, cols) - M_LEVELS).float()
-    return (blocks_of(q, block) * scale.float()[..., None]).view(q.shape[0], -1)[:, :cols]
+    return flat_rows(blocks_of(q, block) * scale.float()[..., None])[:, :cols]
 
 
 def factored_base(row: Tensor, col: Tensor) -> Tensor:
     """Adafactor's estimate of E[g²] from row means ``row`` (R,) and column means ``col`` (C,):
-    row_i col_j / mean(row), fp32 (R, C); 0 where a row or a column never had a gradient."""
-    mean = row.mean()
+    row_i col_j / mean(col), fp32 (R, C); 0 where a row or a column never had a gradient. mean(col)
+    is Adafactor's mean(row) (both are the mean of g²'s EMA), and every rank holds all columns when
+    FSDP2 splits the rows: the base of a rank's rows needs no collective."""
+    mean = col.mean()
     return torch.outer(row, col) / torch.where(mean > 0, mean, torch.ones_like(mean))
 
 
@@ -141,7 +148,7 @@ def decode_v_log(codes: Tensor, base: Tensor, codec: str, cols: int, block: int)
     bits, delta = V_CODECS[codec]
     c = blocks_of(unpack(codes, bits, cols).float(), block)
     v = torch.where(c > 0, torch.exp((base.float()[..., None] + c) * delta), torch.zeros_like(c))
-    return v.view(c.shape[0], -1)[:, :cols]
+    return flat_rows(v)[:, :cols]
 
 
 def encode_v_log(v: Tensor, base: Tensor, codec: str, block: int, u: Tensor) -> Tensor:
@@ -158,5 +165,5 @@ def encode_v_log(v: Tensor, base: Tensor, codec: str, block: int, u: Tensor) -> 
     shift = torch.where(nz.any(-1), shift, torch.zeros_like(shift))
     base += shift.to(base.dtype)
     q = stochastic_round(x - shift[..., None], ub).clamp_(1, top_code)
-    q = torch.where(nz, q, torch.zeros_like(q)).view(rows, -1)[:, :cols]
+    q = flat_rows(torch.where(nz, q, torch.zeros_like(q)))[:, :cols]
     return pack(q, bits)

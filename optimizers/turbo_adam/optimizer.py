@@ -9,6 +9,7 @@ reference step (reference.py) for now.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -21,9 +22,11 @@ from ..shared.checks import (
     evaluate_closure,
     warn_if_nothing_stepped,
 )
+from ..shared.dtensor import DTensor, local, local_row_indices
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
 from . import codecs
+from .distributed import column_sq_means, compressible, local_state, shard_state
 from .reference import Layout, convert_state, decoded_moments, init_state, layout_of_state, matrix_view, turbo_adam_step
 
 V_BITS = (2, 4, 8)  # 2: factored base + 2-bit codes on matrices (4-bit codes on vectors); 4, 8: per element
@@ -107,6 +110,8 @@ class TurboAdam(torch.optim.Optimizer):
     def layout(self, p: Tensor, group: dict) -> Layout:
         """How ``p``'s moments are kept in ``group`` (thresholds, flags, v_bits, the shape)."""
         n = p.numel()
+        if not compressible(p):  # a sharded vector, a tensor-parallel layout: exact moments (distributed.py)
+            return Layout(False, None, group["block_size"])
         compress_v = group["compress_v"] and n >= group["min_v_compress_elements"]
         codec = None
         if compress_v:
@@ -120,6 +125,8 @@ class TurboAdam(torch.optim.Optimizer):
         layout = self.layout(p, group)
         if layout.exact:  # AdamW's own state (fp32 like the param's dtype rule of AdamW: exact)
             group_state_init("adamw")({**group, "params": [p], "state_dtype": "fp32"}, self.state)
+        elif isinstance(p, DTensor):
+            self.state[p].update(shard_state(p, init_state(local(p), layout)))
         else:
             self.state[p].update(init_state(p, layout))
 
@@ -128,8 +135,13 @@ class TurboAdam(torch.optim.Optimizer):
         the parameter's shape), decoded from the codes."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         state, layout = self.state[p], self.layout(p, group)
-        m, v = decoded_moments(state, matrix_view(p).shape, layout)
-        return {"step": state["step"].clone(), "exp_avg": m.view_as(p), "exp_avg_sq": v.view_as(p)}
+        mine = local(p)
+        m, v = decoded_moments(local_state(state), matrix_view(mine).shape, layout)
+        m, v = m.view_as(mine), v.view_as(mine)
+        if isinstance(p, DTensor):  # like the param, as torch AdamW keeps its moments under FSDP2
+            m, v = (DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride()) for t in (m, v))  # fmt: skip
+        return {"step": state["step"].clone(), "exp_avg": m, "exp_avg_sq": v}
 
     def adamw_state_dict(self) -> dict:
         """``state_dict()`` with every parameter's moments decoded into torch.optim.AdamW's keys
@@ -154,8 +166,13 @@ class TurboAdam(torch.optim.Optimizer):
                 if not state:
                     continue
                 target = self.layout(p, group)
-                loaded = layout_of_state(state, matrix_view(p).shape[1], target.block)
+                cols = math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel()
+                loaded = layout_of_state(state, cols, target.block)
                 if loaded != target or (target.exact and state["exp_avg"].dtype != torch.float32):
+                    if isinstance(p, DTensor):
+                        raise RuntimeError(f"TurboAdam: parameter {i} of param group {index} is sharded and its "
+                                           f"loaded state is kept as {loaded}, not as {target}: load a sharded "
+                                           "state saved with the same options")  # fmt: skip
                     self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
         self._exact_plans = {}
 
@@ -169,6 +186,9 @@ class TurboAdam(torch.optim.Optimizer):
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         # the compressed path reads found_inf on the host (one sync), as a PyTorch reference may
         skip = found_inf is not None and bool(found_inf.item())
+        sharded = [p for g in self.param_groups for p in g["params"] if p.grad is not None and isinstance(p, DTensor)
+                   and self.layout(p, g).v_codec == codecs.FACTORED]  # fmt: skip
+        col_means = column_sq_means(sharded) if sharded and not skip else {}
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             exact = [p for p in params if self.layout(p, group).exact]
@@ -182,12 +202,18 @@ class TurboAdam(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None or self.layout(p, group).exact or skip:
                     continue
-                check_param_grad(i, p, p.grad)
+                check_param_grad(i, local(p), local(p.grad))
                 self._init_state(p, group)
-                grad = p.grad if grad_scale is None else p.grad.float() / grad_scale.to(p.grad.device)
-                turbo_adam_step(p, grad, self.state[p], self.layout(p, group), lr=float(group["lr"]), beta1=beta1,
-                                beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                                seed=self._param_seed(index, i))  # fmt: skip
+                grad = local(p.grad)
+                grad = grad if grad_scale is None else grad.float() / grad_scale.to(grad.device)
+                rows = local_row_indices(p) if isinstance(p, DTensor) else None
+                col_mean = col_means.get(id(p))
+                if col_mean is not None:  # the scale is divided out of the all-reduced mean of g² too
+                    col_mean = col_mean if grad_scale is None else col_mean / grad_scale.to(col_mean.device) ** 2
+                turbo_adam_step(local(p), grad, local_state(self.state[p]), self.layout(p, group),
+                                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                                weight_decay=float(group["weight_decay"]), seed=self._param_seed(index, i),
+                                rows_index=rows, col_sq_mean=col_mean)  # fmt: skip
         return loss
 
     def _param_seed(self, group: int, index: int) -> int:

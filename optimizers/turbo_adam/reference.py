@@ -28,12 +28,13 @@ class Layout:
 
 
 def matrix_view(t: Tensor) -> Tensor:
-    """``t`` as (rows, cols): rows = shape[0], a vector (or a scalar) one row."""
-    return t.reshape(1, -1) if t.dim() < 2 else t.reshape(t.shape[0], -1)
+    """``t`` as (rows, cols): rows = shape[0], a vector (or a scalar) one row; a shard of no rows too."""
+    return t.reshape(1, -1) if t.dim() < 2 else t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 def init_state(p: Tensor, layout: Layout) -> dict[str, Tensor]:
-    """Zero state of ``p`` in ``layout`` (docstring of ``TurboAdam`` lists the keys)."""
+    """Zero state of ``p`` (a plain tensor, or a DTensor's local rows) in ``layout`` (docstring of
+    ``TurboAdam`` lists the keys)."""
     rows, cols = matrix_view(p).shape
     nb = -(-cols // layout.block)
     dev = p.device
@@ -73,9 +74,13 @@ def decoded_moments(state: dict[str, Tensor], shape: tuple[int, int], layout: La
 
 
 def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: Layout, *, lr: float, beta1: float,
-                    beta2: float, eps: float, weight_decay: float, seed: int) -> None:  # fmt: skip
+                    beta2: float, eps: float, weight_decay: float, seed: int, rows_index: Tensor | None = None,
+                    col_sq_mean: Tensor | None = None) -> None:  # fmt: skip
     """One TurboAdam step of ``p`` (fp32, bf16 or fp16) in place: AdamW's update from this step's
-    exact fp32 moments, then the moments re-encoded. ``seed``: this parameter's random stream."""
+    exact fp32 moments, then the moments re-encoded. ``seed``: this parameter's random stream.
+    Sharded (FSDP2): ``p``, ``grad`` and ``state`` are this rank's rows, ``rows_index`` their global
+    indices (the random bits follow the element, not the rank) and ``col_sq_mean`` (cols,) the mean
+    of g² over all ranks' rows (the factored codec's column statistic)."""
     x = matrix_view(p)
     g = matrix_view(grad).float()
     rows, cols = x.shape
@@ -92,14 +97,16 @@ def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: L
     if layout.v_codec == codecs.FACTORED:  # Adafactor's statistics of this step's g², then the codes
         sq = g * g
         state["exp_avg_sq_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
-        state["exp_avg_sq_col"].mul_(beta2).add_(sq.mean(0), alpha=1 - beta2)
-    store_moments(state, m, v, layout, seed, step)
+        state["exp_avg_sq_col"].mul_(beta2).add_(sq.mean(0) if col_sq_mean is None else col_sq_mean, alpha=1 - beta2)
+    store_moments(state, m, v, layout, seed, step, rows_index)
 
 
-def store_moments(state: dict[str, Tensor], m: Tensor, v: Tensor, layout: Layout, seed: int, step: int) -> None:
+def store_moments(state: dict[str, Tensor], m: Tensor, v: Tensor, layout: Layout, seed: int, step: int,
+                  rows_index: Tensor | None = None) -> None:  # fmt: skip
     """Encode fp32 m and v (rows, cols) into ``state``'s existing storage (a loaded state and a
     captured graph keep theirs); the factored codec codes v against the row and column means the
-    state holds. ``step`` picks the random bits."""
+    state holds. ``step`` and the elements' global indices (rows ``rows_index``, default 0..rows-1)
+    pick the random bits."""
     rows, cols = m.shape
     if layout.compress_m:
         codes, scale = codecs.encode_m(m, layout.block)
@@ -110,7 +117,9 @@ def store_moments(state: dict[str, Tensor], m: Tensor, v: Tensor, layout: Layout
     if layout.v_codec is None:
         matrix_view(state["exp_avg_sq"]).copy_(v)
         return
-    u = codecs.uniform(seed, step, torch.arange(rows * cols, dtype=torch.int64, device=m.device).view(rows, cols))
+    if rows_index is None:
+        rows_index = torch.arange(rows, dtype=torch.int64, device=m.device)
+    u = codecs.uniform(seed, step, rows_index[:, None] * cols + torch.arange(cols, device=m.device))
     if layout.v_codec == codecs.FACTORED:
         codes = codecs.encode_v_factored(v, state["exp_avg_sq_row"], state["exp_avg_sq_col"], u)
     else:
