@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernel_factory.optimizers import AdamMini, AdamW, Muon
+from kernel_factory.optimizers import AdamMini, AdamW, Muon, TurboAdam
 
 BETAS = (0.9, 0.95)
 NamedParams = list[tuple[str, Tensor]]
@@ -123,6 +123,18 @@ def _torch_adamw(**impl):
     return build
 
 
+def _turboadam(named, shape, lr, wd):
+    import turboadam
+
+    return turboadam.TurboAdam(_tensors(named), lr=lr, betas=BETAS, weight_decay=wd)
+
+
+def _flashoptim(named, shape, lr, wd):
+    import flashoptim
+
+    return flashoptim.FlashAdamW(_tensors(named), lr=lr, betas=BETAS, weight_decay=wd)
+
+
 def _bnb(named, shape, lr, wd):
     import bitsandbytes as bnb
 
@@ -143,6 +155,10 @@ REGISTRY: dict[str, OptimizerSpec] = {
         OptimizerSpec("torchao_adamw4bit", _torchao("AdamW4bit"), module="torchao", cuda_only=True),
         OptimizerSpec("torchao_adamw_fp8", _torchao("AdamWFp8"), module="torchao", cuda_only=True),
         OptimizerSpec("bnb_adamw8bit", _bnb, module="bitsandbytes", cuda_only=True),
+        OptimizerSpec("kernel_factory_turbo_adam",
+                      lambda n, s, lr, wd: TurboAdam(_tensors(n), lr=lr, betas=BETAS, weight_decay=wd)),
+        OptimizerSpec("turboadam", _turboadam, module="turboadam", cuda_only=True),
+        OptimizerSpec("flashoptim_adamw", _flashoptim, module="flashoptim", cuda_only=True),
         OptimizerSpec("torch_muon", _muon),
         OptimizerSpec("kernel_factory_muon", _ours_muon),
         OptimizerSpec("torch_adafactor",

@@ -138,6 +138,14 @@ def test_low_precision_params_keep_their_dtype(dtype):
     assert w.dtype == dtype and torch.isfinite(w.float()).all()
 
 
+def test_turboadams_own_codec_options_are_taken_with_one_warning():
+    """turboadam's m_block_size / m_step_factor have no counterpart here: a user who switches by
+    import keeps a working constructor call and is told they are ignored."""
+    with pytest.warns(RuntimeWarning, match="m_step_factor configures turboadam's first-moment codec"):
+        opt = TurboAdam([torch.nn.Parameter(torch.zeros(4))], m_step_factor=0.5, rounding_seed=7)
+    assert opt.param_groups[0]["weight_decay"] == 0.0  # turboadam's default
+
+
 def test_bad_arguments_name_the_parameter():
     w = [torch.nn.Parameter(torch.zeros(4))]
     with pytest.raises(ValueError, match="block_size"):
@@ -154,7 +162,7 @@ def test_the_same_steps_from_the_same_state_give_the_same_bits():
     runs = []
     for _ in range(2):
         w = torch.nn.Parameter(torch.ones(64, 128))
-        opt = TurboAdam([w], lr=1e-2, seed=5)
+        opt = TurboAdam([w], lr=1e-2, rounding_seed=5)
         gen = torch.Generator().manual_seed(2)
         for _ in range(4):
             w.grad = torch.randn(64, 128, generator=gen)
@@ -217,7 +225,7 @@ def test_grad_scalers_scale_is_divided_out_and_an_inf_skips_the_step():
     torch.manual_seed(0)
     w, ref = torch.nn.Parameter(torch.randn(64, 128)), None
     ref = torch.nn.Parameter(w.detach().clone())
-    opt, ref_opt = TurboAdam([w], lr=1e-2, seed=1), TurboAdam([ref], lr=1e-2, seed=1)
+    opt, ref_opt = TurboAdam([w], lr=1e-2, rounding_seed=1), TurboAdam([ref], lr=1e-2, rounding_seed=1)
     g = torch.randn(64, 128)
     w.grad, ref.grad = g * 1024, g.clone()
     opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
@@ -234,8 +242,8 @@ def test_an_lr_scheduler_drives_it_as_it_drives_our_adamw():
     torch.manual_seed(0)
     a, b = torch.nn.Parameter(torch.randn(64, 128)), None
     b = torch.nn.Parameter(a.detach().clone())
-    opt = TurboAdam([a], lr=1e-2, compress_m=False, compress_v=False)
-    ref = AdamW([b], lr=1e-2)
+    opt = TurboAdam([a], lr=1e-2, weight_decay=1e-2, compress_m=False, compress_v=False)
+    ref = AdamW([b], lr=1e-2, weight_decay=1e-2)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref)]
     for _ in range(3):
         g = torch.randn(64, 128)

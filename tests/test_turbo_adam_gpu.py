@@ -22,7 +22,7 @@ def test_cuda_steps_follow_the_cpu_steps(v_bits):
     torch.manual_seed(0)
     cpu = torch.nn.Parameter(torch.randn(256, 384))
     gpu = torch.nn.Parameter(cpu.detach().cuda())
-    opts = [TurboAdam([p], lr=1e-2, v_bits=v_bits, seed=3) for p in (cpu, gpu)]
+    opts = [TurboAdam([p], lr=1e-2, v_bits=v_bits, rounding_seed=3) for p in (cpu, gpu)]
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
         g = torch.randn(256, 384, generator=gen)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from ..shared.buckets import warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_param_grad,
@@ -40,7 +41,7 @@ class TurboAdam(torch.optim.Optimizer):
 
     Args:
         params: tensors or param-group dicts; fp32, bf16 or fp16.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW (weight_decay default 0.01).
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled decay; default 0, as turboadam).
         block_size: elements per block within a row (per-block scales and grid bases): 32 to 4096,
             a multiple of 32.
         v_bits: 2 (default: matrices keep Adafactor's row and column means and a 2-bit code per
@@ -48,7 +49,10 @@ class TurboAdam(torch.optim.Optimizer):
         compress_m, compress_v: False keeps that moment exact (fp32), e.g. a v-only mode.
         capturable: accepted (torch's meaning); the step reads its count on the host for now.
         min_m_compress_elements, min_v_compress_elements: smaller tensors keep exact fp32 moments.
-        seed: the stochastic rounding's random stream (a counter hash of seed, step, element).
+        m_block_size, m_step_factor: turboadam's first-moment codec options, accepted so that its
+            users switch by import; ignored with one warning (this codec has no counterpart).
+        rounding_seed: the stochastic rounding's random stream (a counter hash of it, the step
+            and the element).
 
     State per parameter: ``step``; the first moment as ``exp_avg`` (fp32) or ``exp_avg_codes``
     (uint8, two 4-bit codes a byte, rows x ceil(cols / 2)) with ``exp_avg_scale`` (bf16, one per
@@ -68,7 +72,7 @@ class TurboAdam(torch.optim.Optimizer):
         lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        weight_decay: float = 0.0,
         block_size: int = 128,
         v_bits: int = 2,
         compress_m: bool = True,
@@ -76,7 +80,9 @@ class TurboAdam(torch.optim.Optimizer):
         capturable: bool = False,
         min_m_compress_elements: int = 4096,
         min_v_compress_elements: int = 4096,
-        seed: int = 0,
+        m_block_size: int | None = None,
+        m_step_factor: float | None = None,
+        rounding_seed: int = 0x12345678,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or not 32 <= block_size <= 4096 \
@@ -88,14 +94,19 @@ class TurboAdam(torch.optim.Optimizer):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         for name, value in (("min_m_compress_elements", min_m_compress_elements),
-                            ("min_v_compress_elements", min_v_compress_elements), ("seed", seed)):  # fmt: skip
+                            ("min_v_compress_elements", min_v_compress_elements),
+                            ("rounding_seed", rounding_seed)):  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size, v_bits=v_bits,
                         compress_m=compress_m, compress_v=compress_v, capturable=capturable,
                         min_m_compress_elements=min_m_compress_elements,
                         min_v_compress_elements=min_v_compress_elements, **_ADAMW_KEYS)  # fmt: skip
-        self.seed = seed
+        for name, value in (("m_block_size", m_block_size), ("m_step_factor", m_step_factor)):
+            if value is not None:  # turboadam's first-moment codec options: ours has no counterpart
+                warn_once(f"TurboAdam: {name} configures turboadam's first-moment codec, which this one does not "
+                          f"use; {name}={value!r} is ignored (block_size sets the scales' blocks)")  # fmt: skip
+        self.seed = rounding_seed
         super().__init__(params, defaults)
         self._exact_plans: dict[int, object] = {}
 
