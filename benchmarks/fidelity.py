@@ -71,7 +71,8 @@ def subjects() -> dict[str, Subject]:
     try:
         import flashoptim
 
-        out["flashoptim FlashAdamW"] = Subject(lambda ps: flashoptim.FlashAdamW(ps, **HYPER))
+        # master_weight_bits=None: fp32 params (flashoptim refuses its 24-bit default for them)
+        out["flashoptim FlashAdamW"] = Subject(lambda ps: flashoptim.FlashAdamW(ps, master_weight_bits=None, **HYPER))
     except ImportError:
         pass
     if torch.cuda.is_available():

@@ -132,7 +132,10 @@ def _turboadam(named, shape, lr, wd):
 def _flashoptim(named, shape, lr, wd):
     import flashoptim
 
-    return flashoptim.FlashAdamW(_tensors(named), lr=lr, betas=BETAS, weight_decay=wd)
+    params = _tensors(named)
+    # its 24-bit master weights are for bf16/fp16 params; it refuses them for fp32 ones
+    bits = None if params[0].dtype == torch.float32 else 24
+    return flashoptim.FlashAdamW(params, lr=lr, betas=BETAS, weight_decay=wd, master_weight_bits=bits)
 
 
 def _bnb(named, shape, lr, wd):
