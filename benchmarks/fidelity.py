@@ -134,7 +134,9 @@ def main(argv=None) -> None:
                     lines.append(f"| {name} | {spread} | {magnitude:g} | {t} | {cosine:.3f} | {ratio:.3f} | "
                                  f"{median:.3f} | {rms:.3f} |")  # fmt: skip
                 print(lines[-1], flush=True)
-    shown = [a for a in (argv or sys.argv[1:]) if not a.startswith("--out")]  # the output folder is local
+    given = list(argv or sys.argv[1:])
+    # the output folder is the runner's own: left out of the recorded command
+    shown = [a for i, a in enumerate(given) if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")]
     lines += ["", f"Command: python benchmarks/fidelity.py {shlex.join(shown)}".strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"fidelity_{args.device}.md").write_text("\n".join(lines) + "\n")
