@@ -135,7 +135,7 @@ def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: flo
     opt = states_equal_to_one_process(rank, world, lambda ps: sharded_adam_mini(ps, momentum_dtype), backend, tol,
                                       device, state_tol=state_tol, compared=matrices)  # fmt: skip
     if device == "cuda" or backend == "triton":  # every param took the fused kernel (sharded_plan.py)
-        stepped = [p for key, (_, plans, _) in opt._plans.items() if key[0] == "sharded" for plan in plans
+        stepped = [p for key, (_, plans, _) in opt._plans.items() if isinstance(key, tuple) for plan in plans
                    for p in plan.params]  # fmt: skip
         assert len(stepped) == len(SHAPES), len(stepped)
 

@@ -229,12 +229,20 @@ class AdamMini(torch.optim.Optimizer):
         """"triton" or "reference" for this parameter (KERNEL_FACTORY_BACKEND or ``backend``)."""
         return "triton" if kernel_path(p, self.backend or backend_mode()) in ("cuda", "interpreter") else "reference"
 
+    def _cached_plans(self, slot, params: list[Tensor], build) -> tuple[list, list]:
+        """``build(params)``'s (plans, reference params), kept under ``slot`` of ``self._plans`` and
+        rebuilt when the set of params with grads changes."""
+        key = tuple(map(id, params))
+        cached = self._plans.get(slot)
+        if cached is None or cached[0] != key:
+            cached = self._plans[slot] = (key, *build(params))
+        return cached[1], cached[2]
+
     def _group_plan(self, index: int, params: list[Tensor]) -> tuple[list, list[Tensor]]:
         """(Triton plans, reference params) of one group's params with grads, built once per set."""
-        key = tuple(map(id, params))
-        cached = self._plans.get(index)
-        if cached is not None and cached[0] == key:
-            return cached[1], cached[2]
+        return self._cached_plans(index, params, self._build_group_plan)
+
+    def _build_group_plan(self, params: list[Tensor]) -> tuple[list, list[Tensor]]:
         buckets: dict[tuple, list[Tensor]] = {}
         reference = []
         for p in params:
@@ -249,7 +257,6 @@ class AdamMini(torch.optim.Optimizer):
             if plan.fp8:
                 self.telemetry.watch("fallback_total", lambda c=plan.tel_count: c[2], owner=plan)
                 self.telemetry.watch("overflow_total", lambda c=plan.tel_count: c[3], owner=plan)
-        self._plans[index] = (key, plans, reference)
         return plans, reference
 
     @torch.no_grad()
@@ -323,10 +330,9 @@ class AdamMini(torch.optim.Optimizer):
         """(kernel plans, params for PyTorch ops) of one group's DTensor params with grads, built
         once per set of params: the kernels take what they take in one process (``_path``), FP8
         momentum only on GPUs with FP8 (``fp8_supported``)."""
-        key = ("sharded", *map(id, params))
-        cached = self._plans.get(("sharded", index))
-        if cached is not None and cached[0] == key:
-            return cached[1], cached[2]
+        return self._cached_plans(("sharded", index), params, self._build_sharded_plan)
+
+    def _build_sharded_plan(self, params: list[DTensor]) -> tuple[list, list[ShardedParam]]:
         buckets: dict[tuple, list[ShardedParam]] = {}
         reference = []
         for p in params:
@@ -345,7 +351,6 @@ class AdamMini(torch.optim.Optimizer):
         for plan in plans:
             if plan.fp8:  # no pool: only overflows (int64 tel_count[3], a running total)
                 self.telemetry.watch("overflow_total", lambda c=plan.tel_count: c[3], owner=plan)
-        self._plans[("sharded", index)] = (key, plans, reference)
         return plans, reference
 
     def _watch_plan(self, plan: AdamMiniTritonPlan) -> None:
