@@ -134,7 +134,7 @@ class TurboAdam(torch.optim.Optimizer):
         if self.state[p]:
             return
         layout = self.layout(p, group)
-        if layout.exact:  # AdamW's own state (fp32 like the param's dtype rule of AdamW: exact)
+        if layout.exact:  # AdamW's own state: exact fp32 moments, as AdamW(state_dtype="fp32") keeps them
             group_state_init("adamw")({**group, "params": [p], "state_dtype": "fp32"}, self.state)
         elif isinstance(p, DTensor):
             self.state[p].update(shard_state(p, init_state(local(p), layout)))
