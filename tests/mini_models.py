@@ -7,7 +7,7 @@ import io
 
 import torch
 
-from kernel_factory.optimizers import Adam, AdamMini, AdamW, Muon
+from kernel_factory.optimizers import Adafactor, Adam, AdamMini, AdamW, Muon, TurboAdam
 from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes
 
 GEOMETRY = dict(dim=32, n_heads=4, n_kv_heads=2)  # GQA: K and V have 2 heads of 8 rows
@@ -53,7 +53,7 @@ def steps_stay_equal(a, opt_a, b, opt_b, steps: int = 3) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
 
 
-OPTIMIZERS = ["AdamW", "Adam", "AdamMini", "Muon"]
+OPTIMIZERS = ["AdamW", "Adam", "AdamMini", "Muon", "TurboAdam", "Adafactor"]
 
 
 def no_decay_optimizer(name: str, model: ShapeModel, momentum: str = "fp32"):
@@ -63,4 +63,9 @@ def no_decay_optimizer(name: str, model: ShapeModel, momentum: str = "fp32"):
         return AdamMini(model.named(), lr=1e-2, momentum_dtype=momentum, **GEOMETRY)
     if name == "Muon":
         return Muon(model.named(), lr=0.02, weight_decay=0.0, adamw_lr=1e-2)
+    if name == "TurboAdam":  # every tensor compressed (the model's are small), blocks of 32
+        return TurboAdam(model.parameters(), lr=1e-2, block_size=32, min_m_compress_elements=0,
+                         min_v_compress_elements=0)  # fmt: skip
+    if name == "Adafactor":  # 8-bit statistics
+        return Adafactor(model.parameters(), lr=1e-2)
     return {"AdamW": AdamW, "Adam": Adam}[name](model.parameters(), lr=1e-2, weight_decay=0.0, amsgrad=name == "Adam")

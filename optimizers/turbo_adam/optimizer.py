@@ -26,12 +26,14 @@ from ..shared.checks import (
 from ..shared.dtensor import DTensor, local, local_row_indices
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
+from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from . import codecs
 from .distributed import column_sq_means, compressible, local_state, shard_state
 from .reference import Layout, convert_state, decoded_moments, init_state, layout_of_state, matrix_view, turbo_adam_step
 
 V_BITS = (2, 4, 8)  # 2: factored base + 2-bit codes on matrices (4-bit codes on vectors); 4, 8: per element
 # torch AdamW's group keys, so that DCP's strict loads and checkpoints from torch.optim.AdamW work
+TELEMETRY = {**AMAX_UPDATE, SKIPPED_STEPS: TOTAL}
 _ADAMW_KEYS = dict(amsgrad=False, maximize=False, foreach=None, fused=None, differentiable=False,
                    decoupled_weight_decay=True)  # fmt: skip
 
@@ -109,6 +111,7 @@ class TurboAdam(torch.optim.Optimizer):
         self.seed = rounding_seed
         super().__init__(params, defaults)
         self._exact_plans: dict[int, object] = {}
+        self.telemetry = Telemetry(TELEMETRY)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -200,32 +203,40 @@ class TurboAdam(torch.optim.Optimizer):
         sharded = [p for g in self.param_groups for p in g["params"] if p.grad is not None and isinstance(p, DTensor)
                    and self.layout(p, g).v_codec == codecs.FACTORED]  # fmt: skip
         col_means = column_sq_means(sharded) if sharded and not skip else {}
-        for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
-            exact = [p for p in params if self.layout(p, group).exact]
-            if exact:  # AdamW's fused step, exact fp32 moments
-                for p in exact:
-                    self._init_state(p, group)
-                plan = group_stepper("adamw")(self._exact_plans, index, exact, self.state,
-                                              {**group, "state_dtype": "fp32"})  # fmt: skip
-                plan.run({**group, "state_dtype": "fp32"}, grad_scale, found_inf)
-            beta1, beta2 = (float(b) for b in group["betas"])
-            for i, p in enumerate(group["params"]):
-                if p.grad is None or self.layout(p, group).exact or skip:
-                    continue
-                check_param_grad(i, local(p), local(p.grad))
-                self._init_state(p, group)
-                grad = local(p.grad)
-                grad = grad if grad_scale is None else grad.float() / grad_scale.to(grad.device)
-                rows = local_row_indices(p) if isinstance(p, DTensor) else None
-                col_mean = col_means.get(id(p))
-                if col_mean is not None:  # the scale is divided out of the all-reduced mean of g² too
-                    col_mean = col_mean if grad_scale is None else col_mean / grad_scale.to(col_mean.device) ** 2
-                turbo_adam_step(local(p), grad, local_state(self.state[p]), self.layout(p, group),
-                                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                                weight_decay=float(group["weight_decay"]), seed=self._param_seed(index, i),
-                                rows_index=rows, col_sq_mean=col_mean)  # fmt: skip
+        with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
+            for index, group in enumerate(self.param_groups):
+                self._step_group(index, group, grad_scale, found_inf, skip, col_means, telemetry)
         return loss
+
+    def _step_group(self, index: int, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool,
+                    col_means: dict[int, Tensor], telemetry: Telemetry) -> None:  # fmt: skip
+        """One param group: exact params through AdamW's stepper, compressed ones through the reference."""
+        params = [p for p in group["params"] if p.grad is not None]
+        exact = [p for p in params if self.layout(p, group).exact]
+        if exact:  # AdamW's fused step, exact fp32 moments
+            for p in exact:
+                self._init_state(p, group)
+            plan = group_stepper("adamw")(self._exact_plans, index, exact, self.state,
+                                          {**group, "state_dtype": "fp32"})  # fmt: skip
+            plan.run({**group, "state_dtype": "fp32"}, grad_scale, found_inf)
+            telemetry.watch("amax_update", plan.update_amax)
+        beta1, beta2 = (float(b) for b in group["betas"])
+        for i, p in enumerate(group["params"]):
+            if p.grad is None or self.layout(p, group).exact or skip:
+                continue
+            check_param_grad(i, local(p), local(p.grad))
+            self._init_state(p, group)
+            grad = local(p.grad)
+            grad = grad if grad_scale is None else grad.float() / grad_scale.to(grad.device)
+            rows = local_row_indices(p) if isinstance(p, DTensor) else None
+            col_mean = col_means.get(id(p))
+            if col_mean is not None:  # the scale is divided out of the all-reduced mean of g² too
+                col_mean = col_mean if grad_scale is None else col_mean / grad_scale.to(col_mean.device) ** 2
+            amax = turbo_adam_step(local(p), grad, local_state(self.state[p]), self.layout(p, group),
+                                   lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                                   weight_decay=float(group["weight_decay"]), seed=self._param_seed(index, i),
+                                   rows_index=rows, col_sq_mean=col_mean)  # fmt: skip
+            telemetry.add("amax_update", amax)
 
     def _param_seed(self, group: int, index: int) -> int:
         """The random stream of parameter ``index`` of group ``group``: the same on every rank."""

@@ -76,12 +76,13 @@ def decoded_moments(state: dict[str, Tensor], shape: tuple[int, int], layout: La
 
 def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: Layout, *, lr: float, beta1: float,
                     beta2: float, eps: float, weight_decay: float, seed: int, rows_index: Tensor | None = None,
-                    col_sq_mean: Tensor | None = None) -> None:  # fmt: skip
+                    col_sq_mean: Tensor | None = None) -> Tensor:  # fmt: skip
     """One TurboAdam step of ``p`` (fp32, bf16 or fp16) in place: AdamW's update from this step's
     exact fp32 moments, then the moments re-encoded. ``seed``: this parameter's random stream.
     Sharded (FSDP2): ``p``, ``grad`` and ``state`` are this rank's rows, ``rows_index`` their global
     indices (the random bits follow the element, not the rank) and ``col_sq_mean`` (cols,) the mean
-    of g² over all ranks' rows (the factored codec's column statistic)."""
+    of g² over all ranks' rows (the factored codec's column statistic). Returns the largest
+    |lr m̂ / (sqrt(v̂) + eps)| of the step (0-d fp32; weight decay left out)."""
     x = matrix_view(p)
     g = matrix_view(grad).float()
     rows, cols = x.shape
@@ -93,13 +94,16 @@ def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: L
     bc1, bc2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
     xf = x.float()
     xf.mul_(1 - lr * weight_decay)
-    xf.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    amax = (m / denom).abs().amax() * (lr / bc1) if m.numel() else m.new_zeros(())
+    xf.addcdiv_(m, denom, value=-lr / bc1)
     x.copy_(xf)
     if layout.v_codec == codecs.FACTORED:  # Adafactor's statistics of this step's g², then the codes
         sq = g * g
         state["exp_avg_sq_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
         state["exp_avg_sq_col"].mul_(beta2).add_(sq.mean(0) if col_sq_mean is None else col_sq_mean, alpha=1 - beta2)
     store_moments(state, m, v, layout, seed, step, rows_index)
+    return amax
 
 
 def store_moments(state: dict[str, Tensor], m: Tensor, v: Tensor, layout: Layout, seed: int, step: int,

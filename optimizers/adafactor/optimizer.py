@@ -1,0 +1,197 @@
+"""Adafactor, a drop-in for torch.optim.Adafactor, with its factored statistics optionally kept as
+8-bit ln codes (shared/log_codes.py: a grid that moves by whole steps, stochastic rounding).
+
+    opt = Adafactor(model.parameters(), lr=1e-2)                 # 8-bit row/column statistics
+    opt = Adafactor(model.parameters(), lr=1e-2, state_bits=32)  # torch.optim.Adafactor's states
+
+The step is torch.optim.Adafactor's (Shazeer & Stern 2018, as torch 2.13 implements it): step size
+min(lr, 1/sqrt(t)) * max(eps2, RMS(p)); beta2_t = 1 - t^beta2_decay; for a tensor of 2+ dims the
+EMAs of g²'s means over its last dim (rows) and over its second-last dim (columns), whose product
+over the rows' mean (clamped at eps1) estimates E[g²]; a vector keeps E[g²] per element; the
+update g / sqrt(max(estimate, eps1²)) is divided by max(1, RMS(update) / d); decoupled weight decay
+p *= 1 - lr * weight_decay. Here it runs in PyTorch ops, one parameter at a time (the fused
+kernels are still to come); with ``state_bits=32`` the ops and their order are torch's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from ..shared import log_codes
+from ..shared.checks import check_param_grad, check_params_once, evaluate_closure, warn_if_nothing_stepped
+from ..shared.state_dict import own_loaded_state
+from ..shared.telemetry import AMAX_UPDATE, Telemetry
+
+STATE_BITS = (8, 32)
+CODE_BITS, CODE_DELTA = 8, math.log(2) / 16  # 255 codes a block span 16 octaves, steps of 4.4%
+BLOCK = 128  # statistics per block of a row: one int16 base each
+MIN_CODED_VECTOR = 4096  # a vector's per-element variance is coded from this many elements on
+
+
+class Adafactor(torch.optim.Optimizer):
+    """torch.optim.Adafactor's arguments, checks and math, plus ``state_bits``.
+
+    Args:
+        params, lr, beta2_decay, eps (eps1 or None for the dtype's eps, eps2), d, weight_decay,
+            foreach (accepted), maximize: as torch.optim.Adafactor.
+        state_bits: 8 (default) keeps ``row_var`` / ``col_var`` of tensors of 2+ dims, and the
+            ``variance`` of vectors of 4096+ elements, as 8-bit ln codes (uint8, one per value) with
+            an int16 base per 128 values; 32 keeps torch's fp32 tensors.
+        rounding_seed: the stochastic rounding's random stream.
+
+    State per parameter: ``step`` (0-d fp32); ``row_var`` (shape[:-1] + (1,)) and ``col_var``
+    (shape[:-2] + (1, shape[-1])) or ``variance`` (vectors), as torch keeps them; coded, each is
+    ``<name>_codes`` (uint8, (leading dims, values)) and ``<name>_base`` (int16, per block).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float | Tensor = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        state_bits: int = 8,
+        rounding_seed: int = 0,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 >= beta2_decay:
+            raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
+        if eps[0] is not None and not 0.0 <= eps[0]:
+            raise ValueError(f"epsilon1 should be >= 0 but is: {eps[0]}")
+        if not 0.0 <= eps[1]:
+            raise ValueError(f"epsilon2 should be >= 0 but is: {eps[1]}")
+        if not 1.0 <= d:
+            raise ValueError(f"Clipping threshold d should be >= 1 but is: {d}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")
+        if state_bits not in STATE_BITS:
+            raise ValueError(f"state_bits must be one of {STATE_BITS}, got {state_bits!r}")
+        self.seed = rounding_seed
+        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
+                        maximize=maximize, state_bits=state_bits)  # fmt: skip
+        super().__init__(params, defaults)
+        self.telemetry = Telemetry(AMAX_UPDATE)  # steps, and the last step's largest |update|
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if p.requires_grad and not p.is_meta:
+                self._init_state(p, group)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader, then every state tensor back in its saved dtype (torch casts the uint8
+        codes and int16 bases to the parameter's dtype)."""
+        super().load_state_dict(state_dict)
+        own_loaded_state(self, state_dict, lambda p, key, saved: True)
+
+    @staticmethod
+    def _coded(p: Tensor, group: dict) -> bool:
+        return group["state_bits"] == 8 and (p.dim() > 1 or p.numel() >= MIN_CODED_VECTOR)
+
+    def _init_state(self, p: Tensor, group: dict) -> None:
+        state = self.state[p]
+        if state:
+            return
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        shapes = {"row_var": (*p.shape[:-1], 1), "col_var": (*p.shape[:-2], 1, p.shape[-1])} if p.dim() > 1 else \
+            {"variance": tuple(p.shape)}  # fmt: skip
+        for name, shape in shapes.items():
+            if not self._coded(p, group):
+                state[name] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                continue
+            rows, cols = _as_rows(shape)
+            state[f"{name}_codes"] = torch.zeros((rows, cols), dtype=torch.uint8, device=p.device)
+            state[f"{name}_base"] = torch.zeros((rows, -(-cols // BLOCK)), dtype=torch.int16, device=p.device)
+
+    def _read(self, state: dict, name: str, shape: tuple[int, ...], coded: bool) -> Tensor:
+        if not coded:
+            return state[name]
+        _, cols = _as_rows(shape)
+        codes, base = state[f"{name}_codes"], state[f"{name}_base"]
+        return log_codes.decode_log(codes, base, CODE_BITS, CODE_DELTA, cols, BLOCK).view(shape)
+
+    def _write(self, state: dict, name: str, value: Tensor, coded: bool, seed: int, step: int) -> None:
+        if not coded:
+            return  # updated in place
+        rows, cols = _as_rows(tuple(value.shape))
+        u = log_codes.uniform(seed, step, torch.arange(rows * cols, device=value.device).view(rows, cols))
+        base = state[f"{name}_base"]
+        state[f"{name}_codes"].copy_(log_codes.encode_log(value.reshape(rows, cols).float(), base, CODE_BITS,
+                                                          CODE_DELTA, BLOCK, u))  # fmt: skip
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One Adafactor update of every parameter with a grad. Returns ``closure()``'s loss."""
+        loss = evaluate_closure(closure)
+        check_params_once(self)
+        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
+        with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
+            for gi, group in enumerate(self.param_groups):
+                lr = float(group["lr"])
+                eps1, eps2 = group["eps"]
+                for i, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    if p.is_complex():
+                        raise RuntimeError(f"Adafactor does not support complex parameters (parameter {i}, "
+                                           f"shape {tuple(p.shape)})")  # fmt: skip
+                    check_param_grad(i, p, p.grad)
+                    self._init_state(p, group)
+                    seed = (self.seed * 1_000_003 + gi * 65_537 + i) & 0xFFFFFFFF
+                    telemetry.add("amax_update", self._step_one(p, group, lr, eps1, eps2, seed))
+        return loss
+
+    def _step_one(self, p: Tensor, group: dict, lr: float, eps1: float | None, eps2: float, seed: int) -> Tensor:
+        """torch.optim.Adafactor's step of one parameter, its statistics decoded and re-coded around it;
+        returns the largest |update| it applied (0-d fp32; weight decay left out)."""
+        state = self.state[p]
+        grad = -p.grad if group["maximize"] else p.grad
+        coded = self._coded(p, group)
+        eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+        state["step"] += 1
+        t = state["step"].item()
+        one_minus_beta2 = t ** group["beta2_decay"]
+        rho = min(lr, 1 / (t**0.5))
+        alpha = max(eps2, p.norm(2).item() / (p.numel() ** 0.5)) * rho
+        if group["weight_decay"] != 0:
+            p.mul_(1 - lr * group["weight_decay"])
+        if grad.dim() > 1:
+            row_var = self._read(state, "row_var", (*p.shape[:-1], 1), coded)
+            col_var = self._read(state, "col_var", (*p.shape[:-2], 1, p.shape[-1]), coded)
+            row_var.lerp_(torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)),
+                          one_minus_beta2)  # fmt: skip
+            col_var.lerp_(torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)),
+                          one_minus_beta2)  # fmt: skip
+            estimate = row_var @ col_var
+            estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+            self._write(state, "row_var", row_var, coded, seed, int(t))
+            self._write(state, "col_var", col_var, coded, seed ^ 0x5BD1E995, int(t))
+        else:
+            variance = self._read(state, "variance", tuple(p.shape), coded)
+            variance.lerp_(grad * grad, one_minus_beta2)
+            estimate = variance.clone()
+            self._write(state, "variance", variance, coded, seed, int(t))
+        update = estimate.clamp_(min=eps1 * eps1).rsqrt_()
+        update.mul_(grad)
+        denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * group["d"]))
+        p.add_(update, alpha=-alpha / denom)
+        return update.abs().amax().float() * (alpha / denom)
+
+
+def _as_rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A statistic's shape as (rows, values): its leading dims, then all its values in a row."""
+    values = math.prod(s for s in shape[-2:] if s != 1) if len(shape) >= 2 else math.prod(shape)
+    return max(1, math.prod(shape) // max(values, 1)), values
