@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from twin_training import twin_steps
 
 from kernel_factory.optimizers import Adafactor
 
@@ -20,12 +21,7 @@ def test_32_bit_states_are_torchs_adafactor_bit_for_bit(maximize, weight_decay):
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt = Adafactor(ours, state_bits=32, maximize=maximize, weight_decay=weight_decay)
     torch_opt = torch.optim.Adafactor(ref, maximize=maximize, weight_decay=weight_decay, foreach=False)
-    for _ in range(10):
-        for p, q in zip(ours, ref, strict=True):
-            p.grad = torch.randn(p.shape)
-            q.grad = p.grad.clone()
-        opt.step()
-        torch_opt.step()
+    twin_steps(torch.nn.ParameterList(ours), opt, torch.nn.ParameterList(ref), torch_opt, 10)
     for p, q in zip(ours, ref, strict=True):
         assert torch.equal(p, q)
         assert all(torch.equal(opt.state[p][k], v) for k, v in torch_opt.state[q].items())

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from twin_training import twin_steps
 
 from benchmarks.fidelity import HYPER, Subject, measure
 from kernel_factory.optimizers import AdamW, TurboAdam
@@ -21,12 +22,7 @@ def test_with_both_codecs_off_it_is_bitwise_our_adamw():
     twins = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt = TurboAdam(ours, lr=1e-2, weight_decay=0.1, compress_m=False, compress_v=False)
     ref = AdamW(twins, lr=1e-2, weight_decay=0.1)
-    for _ in range(5):
-        for p, q in zip(ours, twins, strict=True):
-            p.grad = torch.randn(p.shape)
-            q.grad = p.grad.clone()
-        opt.step()
-        ref.step()
+    twin_steps(torch.nn.ParameterList(ours), opt, torch.nn.ParameterList(twins), ref, 5)
     for p, q in zip(ours, twins, strict=True):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..shared import log_codes
-from ..shared.checks import check_param_grad, check_params_once, evaluate_closure, warn_if_nothing_stepped
+from ..shared.checks import check_param_grad, start_step
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
 
@@ -135,9 +135,7 @@ class Adafactor(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Adafactor update of every parameter with a grad. Returns ``closure()``'s loss."""
-        loss = evaluate_closure(closure)
-        check_params_once(self)
-        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
+        loss = start_step(self, closure)
         with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
             for gi, group in enumerate(self.param_groups):
                 lr = float(group["lr"])

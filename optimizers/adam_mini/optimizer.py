@@ -23,10 +23,8 @@ from ..shared.buckets import kernel_path, warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_param_grad,
-    check_params_once,
     checked_grads,
-    evaluate_closure,
-    warn_if_nothing_stepped,
+    start_step,
 )
 from ..shared.dtensor import DTensor, local, row_shard_group
 from ..shared.state_dict import own_loaded_state
@@ -262,9 +260,7 @@ class AdamMini(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Adam-mini update of every parameter that has a grad. Returns ``closure()``'s loss."""
-        loss = evaluate_closure(closure)
-        check_params_once(self)
-        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
+        loss = start_step(self, closure)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         with self.telemetry.step(first.device if first is not None else None):
             self._step_sharded([[p for p in g["params"] if p.grad is not None and isinstance(p, DTensor)]

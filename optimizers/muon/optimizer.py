@@ -22,9 +22,7 @@ from torch import Tensor
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_lr,
-    check_params_once,
-    evaluate_closure,
-    warn_if_nothing_stepped,
+    start_step,
 )
 from ..shared.dtensor import DTensor
 from ..shared.state_dict import own_loaded_state
@@ -171,9 +169,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Muon/AdamW update of every parameter with a grad. Returns ``closure()``'s loss."""
-        loss = evaluate_closure(closure)
-        check_params_once(self)
-        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
+        loss = start_step(self, closure)
         with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
             for index, group in enumerate(self.param_groups):
                 params = [p for p in group["params"] if p.grad is not None]

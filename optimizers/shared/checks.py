@@ -133,6 +133,15 @@ def check_params_are_live(param_groups: list[dict], optimizer: str) -> None:
                                    "fully_shard(model), from model.parameters()")  # fmt: skip
 
 
+def start_step(optimizer: torch.optim.Optimizer, closure):
+    """What every ``step()`` does first: ``closure()``'s loss (``evaluate_closure``), the first
+    step's checks (``check_params_once``) and the warning for a step with no gradient at all."""
+    loss = evaluate_closure(closure)
+    check_params_once(optimizer)
+    warn_if_nothing_stepped(optimizer, any(p.grad is not None for g in optimizer.param_groups for p in g["params"]))
+    return loss
+
+
 def evaluate_closure(closure):
     """``closure()`` with autograd on (optimizers step under no_grad), or None without one."""
     if closure is None:

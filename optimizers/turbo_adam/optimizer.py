@@ -19,9 +19,7 @@ from ..shared.buckets import warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_param_grad,
-    check_params_once,
-    evaluate_closure,
-    warn_if_nothing_stepped,
+    start_step,
 )
 from ..shared.dtensor import DTensor, local, local_row_indices
 from ..shared.state_dict import own_loaded_state
@@ -193,9 +191,7 @@ class TurboAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One TurboAdam update of every parameter with a grad. Returns ``closure()``'s loss."""
-        loss = evaluate_closure(closure)
-        check_params_once(self)
-        warn_if_nothing_stepped(self, any(p.grad is not None for g in self.param_groups for p in g["params"]))
+        loss = start_step(self, closure)
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         # the compressed path reads found_inf on the host (one sync), as a PyTorch reference may
