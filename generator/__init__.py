@@ -4,7 +4,7 @@ selection and timing helpers. It knows nothing about optimizers."""
 from .arch import detect_arch
 from .backend import backend_mode, interpreter_enabled, triton_available
 from .cache import select, size_bucket
-from .families import ADAM_MINI, ADAMW, FAMILIES, MUON, NEWTON_SCHULZ, get_family
+from .families import ADAM_MINI, ADAMW, FAMILIES, MUON, NEWTON_SCHULZ, TURBO_ADAM, get_family
 from .family import Config, KernelFamily, Tunable
 from .render import load, render, template_hash, user_cache_dir
 
@@ -14,6 +14,7 @@ __all__ = [
     "FAMILIES",
     "MUON",
     "NEWTON_SCHULZ",
+    "TURBO_ADAM",
     "Config",
     "KernelFamily",
     "Tunable",

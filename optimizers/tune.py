@@ -22,9 +22,10 @@ from .adam_mini.tune import adam_mini_tasks
 from .adamw.tune import adamw_tasks
 from .muon.newton_schulz_tune import newton_schulz_tasks
 from .muon.tune import muon_tasks
+from .turbo_adam.tune import turbo_adam_tasks
 
 FAMILY_TASKS = {"adamw": adamw_tasks, "adam_mini": adam_mini_tasks, "newton_schulz": newton_schulz_tasks,
-                "muon": muon_tasks}
+                "muon": muon_tasks, "turbo_adam": turbo_adam_tasks}
 
 
 def main(argv=None) -> int:

@@ -122,8 +122,11 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
 
 def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
     """4 TurboAdam steps at ``world`` ranks against one process, matrices only (a sharded vector keeps
-    exact moments where one process compresses them): params and every state within ``tol``."""
-    states_equal_to_one_process(rank, world, SHARDED_TURBO_ADAM, "auto", tol, device, compared=lambda q: q.dim() >= 2)
+    exact moments where one process compresses them): params and every state within ``tol``. Sharded
+    params step through the PyTorch reference; on CUDA the one process would take the fused kernels
+    (their approximate sqrt and log2 differ by ulps), so both take the reference there."""
+    backend = "torch" if device == "cuda" else "auto"
+    states_equal_to_one_process(rank, world, SHARDED_TURBO_ADAM, backend, tol, device, compared=lambda q: q.dim() >= 2)
 
 
 def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",

@@ -27,7 +27,7 @@ from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
 
 STATE_BITS = (8, 32)
-CODE_BITS, CODE_DELTA = 8, math.log(2) / 16  # 255 codes a block span 16 octaves, steps of 4.4%
+CODE_BITS, CODE_STEP = 8, 1 / 16  # 255 codes a block span 16 octaves, steps of 4.4%
 BLOCK = 128  # statistics per block of a row: one int16 base each
 MIN_CODED_VECTOR = 4096  # a vector's per-element variance is coded from this many elements on
 
@@ -121,7 +121,7 @@ class Adafactor(torch.optim.Optimizer):
             return state[name]
         _, cols = _as_rows(shape)
         codes, base = state[f"{name}_codes"], state[f"{name}_base"]
-        return log_codes.decode_log(codes, base, CODE_BITS, CODE_DELTA, cols, BLOCK).view(shape)
+        return log_codes.decode_log(log_codes.unpack(codes, CODE_BITS, cols), base, CODE_STEP, BLOCK).view(shape)
 
     def _write(self, state: dict, name: str, value: Tensor, coded: bool, seed: int, step: int) -> None:
         if not coded:
@@ -129,8 +129,8 @@ class Adafactor(torch.optim.Optimizer):
         rows, cols = _as_rows(tuple(value.shape))
         u = log_codes.uniform(seed, step, torch.arange(rows * cols, device=value.device).view(rows, cols))
         base = state[f"{name}_base"]
-        state[f"{name}_codes"].copy_(log_codes.encode_log(value.reshape(rows, cols).float(), base, CODE_BITS,
-                                                          CODE_DELTA, BLOCK, u))  # fmt: skip
+        codes = log_codes.encode_log(value.reshape(rows, cols).float(), base, CODE_BITS, CODE_STEP, BLOCK, u)
+        state[f"{name}_codes"].copy_(log_codes.pack(codes, CODE_BITS))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):

@@ -4,11 +4,11 @@ rounding, row blocks, bit packing, and ln-domain codes whose grid moves by whole
 A tensor is viewed as rows x cols; blocks are ``block`` consecutive elements of a row (the last
 may be shorter), so per-block values are (R, ceil(C / block)) arrays, as FSDP2 shards rows.
 
-Per-element ln codes (``encode_log`` / ``decode_log``): k-bit codes of ln v on a grid of ``delta``
-with an int16 exponent base per block, code 0 for exact zero. The base moves only by whole grid
+Per-element log codes (``encode_log`` / ``decode_log``): k-bit codes of log2 v on a grid of ``step``
+octaves with an int16 exponent base per block, code 0 for exact zero. The base moves only by whole grid
 steps (up when the largest code would overflow, down when it sits two steps below the top), so
 moving a block's range never moves a stored value; the fresh value is rounded stochastically
-(unbiased in ln v) against that fixed grid. Random bits are a counter hash of (seed, step,
+(unbiased in log v) against that fixed grid. Random bits are a counter hash of (seed, step,
 element index): no stored buffer, the same bits for the same step from the same state, and for
 an element whatever rank holds it (global indices).
 """
@@ -35,15 +35,15 @@ def _hash32(x: Tensor) -> Tensor:
 
 
 def uniform(seed: int, step: int, index: Tensor) -> Tensor:
-    """fp32 uniforms in [0, 1) (24 random bits) for elements ``index`` (int64) at ``step``."""
+    """fp32 uniforms in [0, 1) (23 random bits: a kernel makes them as the mantissa of a float in
+    [1, 2), less 1, with no int-to-float conversion) for elements ``index`` (int64) at ``step``."""
     key = _hash32(torch.tensor((seed * 0x9E3779B1 + step * 0x85EBCA77) & _MASK, dtype=torch.int64))
-    return (_hash32(index ^ key.to(index.device)) >> 8).to(torch.float32) * 2.0**-24
+    return (_hash32(index ^ key.to(index.device)) >> 9).to(torch.float32) * 2.0**-23
 
 
 def stochastic_round(x: Tensor, u: Tensor) -> Tensor:
-    """floor(x) + 1 with probability frac(x) (u: uniforms in [0, 1)): unbiased, E = x."""
-    low = torch.floor(x)
-    return low + (u < x - low).to(x.dtype)
+    """floor(x + u), u uniform in [0, 1): floor(x) + 1 with probability frac(x), unbiased (E = x)."""
+    return torch.floor(x + u)
 
 
 def blocks_of(x: Tensor, block: int) -> Tensor:
@@ -75,26 +75,60 @@ def unpack(packed: Tensor, bits: int, cols: int) -> Tensor:
     return flat_rows(codes)[:, :cols]
 
 
-def decode_log(codes: Tensor, base: Tensor, bits: int, delta: float, cols: int, block: int) -> Tensor:
-    """v (R, cols) fp32 of ``bits``-bit ln codes: exp((base + code) delta), 0 for code 0."""
-    c = blocks_of(unpack(codes, bits, cols).float(), block)
-    v = torch.where(c > 0, torch.exp((base.float()[..., None] + c) * delta), torch.zeros_like(c))
+PLANE_GROUP = 128  # elements of a row per planar group (``pack_planar``)
+
+
+def planar_bytes(cols: int, bits: int) -> int:
+    """Bytes per row of ``pack_planar``'s output: whole 128-element groups."""
+    return -(-cols // PLANE_GROUP) * PLANE_GROUP * bits // 8
+
+
+def pack_planar(codes: Tensor, bits: int, pad: int = 0) -> Tensor:
+    """(R, C) small non-negative integers -> uint8 (R, planar_bytes(C, bits)), in planes: each row is
+    cut into groups of 128 elements, and byte j of a group (width w = 128 bits / 8) holds elements
+    j, j + w, j + 2w, ... of it, lowest bits first. A kernel thread that holds a run of contiguous
+    elements of each plane then finds their codes in one run of contiguous bytes, with no shuffle.
+    Columns past C (to whole groups) hold ``pad``."""
+    per = 8 // bits
+    rows, cols = codes.shape
+    c = torch.nn.functional.pad(codes.to(torch.int32), (0, -cols % PLANE_GROUP), value=pad)
+    c = c.view(rows, c.shape[1] // PLANE_GROUP, per, PLANE_GROUP // per)  # (no -1: rows may be 0)
+    shifts = (torch.arange(per, dtype=torch.int32, device=codes.device) * bits)[:, None]
+    return (c << shifts).sum(-2).to(torch.uint8).view(rows, c.shape[1] * c.shape[3])
+
+
+def unpack_planar(packed: Tensor, bits: int, cols: int) -> Tensor:
+    """``pack_planar``'s inverse: int32 (R, cols)."""
+    per = 8 // bits
+    rows = packed.shape[0]
+    width = PLANE_GROUP // per
+    b = packed.to(torch.int32).view(rows, packed.shape[1] // width, 1, width)
+    shifts = (torch.arange(per, dtype=torch.int32, device=packed.device) * bits)[:, None]
+    return ((b >> shifts) & ((1 << bits) - 1)).reshape(rows, b.shape[1] * PLANE_GROUP)[:, :cols]
+
+
+def decode_log(codes: Tensor, base: Tensor, step: float, block: int) -> Tensor:
+    """v (R, C) fp32 of integer log codes (R, C): 2^((base + code) step), 0 for code 0. ``step`` is
+    a power of two (octaves per code), so the exponent is exact and only exp2 rounds."""
+    cols = codes.shape[1]
+    c = blocks_of(codes.float(), block)
+    v = torch.where(c > 0, torch.exp2((base.float()[..., None] + c) * step), torch.zeros_like(c))
     return flat_rows(v)[:, :cols]
 
 
-def encode_log(v: Tensor, base: Tensor, bits: int, delta: float, block: int, u: Tensor) -> Tensor:
-    """``bits``-bit ln codes (packed uint8) of fp32 v (R, C) >= 0 on a grid of ``delta``; ``base``
-    (int16 (R, nb)) is moved in place by whole steps only; ``u``: uniforms (R, C) for the rounding."""
+def encode_log(v: Tensor, base: Tensor, bits: int, step: float, block: int, u: Tensor) -> Tensor:
+    """``bits``-bit integer log codes (int32 (R, C)) of fp32 v (R, C) >= 0 on a grid of ``step``
+    octaves (a power of two); ``base`` (int16 (R, nb)) is moved in place by whole steps only; ``u``:
+    uniforms (R, C) for the rounding."""
     top_code = (1 << bits) - 1
     rows, cols = v.shape
     vb, ub = blocks_of(v, block), blocks_of(u, block)
     nz = vb > 0
-    x = torch.log(torch.where(nz, vb, torch.ones_like(vb))) / delta - base.float()[..., None]
+    x = torch.log2(torch.where(nz, vb, torch.ones_like(vb))) * (1.0 / step) - base.float()[..., None]
     top = torch.ceil(torch.where(nz, x, torch.full_like(x, -math.inf)).amax(-1))
     # up when the top would overflow; down when it sits more than two steps under the top code
     shift = torch.where(top > top_code, top - top_code, torch.where(top < top_code - 2, top - (top_code - 2), 0.0))
     shift = torch.where(nz.any(-1), shift, torch.zeros_like(shift))
     base += shift.to(base.dtype)
     q = stochastic_round(x - shift[..., None], ub).clamp_(1, top_code)
-    q = flat_rows(torch.where(nz, q, torch.zeros_like(q)))[:, :cols]
-    return pack(q, bits)
+    return flat_rows(torch.where(nz, q, torch.zeros_like(q)))[:, :cols].to(torch.int32)

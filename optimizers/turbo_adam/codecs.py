@@ -5,6 +5,9 @@ A parameter is viewed as a rows x cols matrix (rows = shape[0], a vector is one 
 ``block`` consecutive elements of one row (the last block of a row may be shorter), so per-block
 values are an (R, ceil(C / block)) array, as FSDP2 shards rows.
 
+Codes are packed in planes (``log_codes.pack_planar``: byte j of each 128-element group of a row
+holds elements j, j + w, ... of it), the layout the kernels read without shuffles.
+
 - **First moment** (``encode_m`` / ``decode_m``): 4-bit signed codes in [-7, 7], one bf16 scale per
   block, rounded to nearest. The scale is amax / 7 rounded *up* to bf16 (bf16 has fp32's exponent
   range: no underflow at |m| ~ 1e-30), and the codes are computed against the rounded scale, so
@@ -16,9 +19,9 @@ values are an (R, ceil(C / block)) array, as FSDP2 shards rows.
   {-1.5, -0.5, 0.5, 1.5} with v = base * 2^(k / 3). The base moves with the element's own expected motion,
   so an element off its code only re-rounds by the EMA's small step: stochastic rounding then
   moves a code with probability ~(1 - beta2) / step, and the stored v does not random-walk.
-- **Second moment, per element** (``LOG4`` / ``LOG8``): the ln codes of ``shared/log_codes.py``
+- **Second moment, per element** (``LOG4`` / ``LOG8``): the log codes of ``shared/log_codes.py``
   (an int16 base per block that moves by whole grid steps, code 0 for exact zero), at 4 bits on a
-  grid of ln2 / 2 and at 8 bits on ln2 / 16.
+  grid of half an octave and at 8 bits on a sixteenth.
 
 Random bits for the stochastic roundings: ``shared/log_codes.uniform``, a counter hash of (seed,
 step, global element index).
@@ -31,13 +34,24 @@ import math
 import torch
 from torch import Tensor
 
-from ..shared.log_codes import blocks_of, decode_log, encode_log, flat_rows, pack, stochastic_round, unpack
+from ..shared.log_codes import (
+    blocks_of,
+    decode_log,
+    encode_log,
+    flat_rows,
+    pack_planar,
+    stochastic_round,
+    unpack_planar,
+)
 
 M_LEVELS = 7  # codes -7..7 of the 4-bit first moment
 FACTORED, LOG4, LOG8 = "factored", "log4", "log8"
-# (bits per element, grid step in ln v) of each second-moment codec
-V_CODECS = {FACTORED: (2, math.log(2) / 3), LOG4: (4, math.log(2) / 2), LOG8: (8, math.log(2) / 16)}
+# (bits per element, grid step in octaves of v) of each second-moment codec
+V_CODECS = {FACTORED: (2, 1 / 3), LOG4: (4, 1 / 2), LOG8: (8, 1 / 16)}
 FACTORED_LOW = -1.5  # the factored codes 0..3 stand for k = -1.5..1.5
+# v / base of the factored codes 0..3, 2^(k / 3): fp32 constants, rounded once from double, that
+# the kernels use too (an exp per element would round differently on the GPU)
+FACTORED_RATIOS = tuple(2.0 ** ((k + FACTORED_LOW) / 3) for k in range(4))
 
 
 def _bf16_up(x: Tensor) -> Tensor:
@@ -48,52 +62,64 @@ def _bf16_up(x: Tensor) -> Tensor:
 
 
 def encode_m(m: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """fp32 m (R, C) -> (4-bit codes packed uint8 (R, ceil(C / 2)), bf16 scales (R, ceil(C / block)))."""
+    """fp32 m (R, C) -> (4-bit codes, planar-packed uint8 (R, planar_bytes(C, 4)), bf16 scales
+    (R, ceil(C / block)))."""
     rows, cols = m.shape
     b = blocks_of(m, block)
     scale = _bf16_up(b.abs().amax(-1) / M_LEVELS)
     s = scale.float()[..., None]
-    q = torch.round(b / torch.where(s > 0, s, torch.ones_like(s))).clamp_(-M_LEVELS, M_LEVELS)
+    inv = 1.0 / torch.where(s > 0, s, torch.ones_like(s))  # the kernels multiply by one reciprocal a block
+    q = torch.round(b * inv).clamp_(-M_LEVELS, M_LEVELS)
     q = flat_rows(q)[:, :cols]
-    return pack(q + M_LEVELS, 4), scale
+    return pack_planar(q + M_LEVELS, 4, pad=M_LEVELS), scale  # padding: the code of 0, as the kernels write
 
 
 def decode_m(codes: Tensor, scale: Tensor, cols: int, block: int) -> Tensor:
     """``encode_m``'s inverse: fp32 (R, cols)."""
-    q = (unpack(codes, 4, cols) - M_LEVELS).float()
+    q = (unpack_planar(codes, 4, cols) - M_LEVELS).float()
     return flat_rows(blocks_of(q, block) * scale.float()[..., None])[:, :cols]
 
 
-def factored_base(row: Tensor, col: Tensor) -> Tensor:
+def factored_base(row: Tensor, col: Tensor, col_mean: Tensor | None = None) -> Tensor:
     """Adafactor's estimate of E[g²] from row means ``row`` (R,) and column means ``col`` (C,):
     row_i col_j / mean(col), fp32 (R, C); 0 where a row or a column never had a gradient. mean(col)
     is Adafactor's mean(row) (both are the mean of g²'s EMA), and every rank holds all columns when
-    FSDP2 splits the rows: the base of a rank's rows needs no collective."""
-    mean = col.mean()
-    return torch.outer(row, col) / torch.where(mean > 0, mean, torch.ones_like(mean))
+    FSDP2 splits the rows: the base of a rank's rows needs no collective. ``col_mean``: mean(col)
+    as a kernel summed it (the base codes were written against), else torch's."""
+    return torch.outer(row_factor(row, col, col_mean), col)
 
 
-def decode_v_factored(codes: Tensor, row: Tensor, col: Tensor) -> Tensor:
-    """v (R, C) fp32 of the factored codec: base * 2^(k / 3), k = code - 1."""
-    _, delta = V_CODECS[FACTORED]
-    k = unpack(codes, 2, col.numel()).float() + FACTORED_LOW
-    return factored_base(row, col) * torch.exp(k * delta)
+def row_factor(row: Tensor, col: Tensor, col_mean: Tensor | None = None) -> Tensor:
+    """row / mean(col) (R,): the row's part of ``factored_base`` (a kernel forms it once per row)."""
+    mean = col.mean() if col_mean is None else col_mean
+    return row / torch.where(mean > 0, mean, torch.ones_like(mean))
 
 
-def encode_v_factored(v: Tensor, row: Tensor, col: Tensor, u: Tensor) -> Tensor:
+def decode_v_factored(codes: Tensor, row: Tensor, col: Tensor, col_mean: Tensor | None = None) -> Tensor:
+    """v (R, C) fp32 of the factored codec: base * 2^(k / 3) (``FACTORED_RATIOS``)."""
+    ratios = torch.tensor(FACTORED_RATIOS, dtype=torch.float32, device=codes.device)
+    return factored_base(row, col, col_mean) * ratios[unpack_planar(codes, 2, col.numel()).long()]
+
+
+def encode_v_factored(v: Tensor, row: Tensor, col: Tensor, u: Tensor, col_mean: Tensor | None = None) -> Tensor:
     """Codes of fp32 v (R, C) against the (updated) factored base, stochastically rounded (u)."""
-    bits, delta = V_CODECS[FACTORED]
-    base = factored_base(row, col)
-    ok = (v > 0) & (base > 0)
-    x = torch.where(ok, torch.log(torch.where(ok, v / base, torch.ones_like(v))) / delta, torch.zeros_like(v))
-    return pack(stochastic_round(x - FACTORED_LOW, u).clamp_(0, (1 << bits) - 1), bits)
+    bits, step = V_CODECS[FACTORED]
+    # where the base is 0 (a row or column without gradient so far) log2 base = -inf: x = +inf, the
+    # top code, which decodes to 0 all the same
+    ok = v > 0
+    log2_base = torch.log2(row_factor(row, col, col_mean))[:, None] + torch.log2(col)[None, :]
+    x = torch.where(ok, (torch.log2(torch.where(ok, v, torch.ones_like(v))) - log2_base) * (1 / step),
+                    torch.zeros_like(v))  # fmt: skip
+    return pack_planar(stochastic_round(x - FACTORED_LOW, u).clamp_(0, (1 << bits) - 1), bits)
 
 
 def decode_v_log(codes: Tensor, base: Tensor, codec: str, cols: int, block: int) -> Tensor:
     """v (R, cols) fp32 of a per-element log codec (``log_codes.decode_log``)."""
-    return decode_log(codes, base, *V_CODECS[codec], cols, block)
+    bits, step = V_CODECS[codec]
+    return decode_log(unpack_planar(codes, bits, cols), base, step, block)
 
 
 def encode_v_log(v: Tensor, base: Tensor, codec: str, block: int, u: Tensor) -> Tensor:
-    """Codes of fp32 v (R, C) >= 0 in a per-element log codec (``log_codes.encode_log``)."""
-    return encode_log(v, base, *V_CODECS[codec], block, u)
+    """Codes of fp32 v (R, C) >= 0 in a per-element log codec (``log_codes.encode_log``), planar-packed."""
+    bits, step = V_CODECS[codec]
+    return pack_planar(encode_log(v, base, bits, step, block, u), bits)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from kernel_factory.generator import backend_mode
+
 from ..shared.buckets import warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
@@ -24,14 +26,19 @@ from ..shared.checks import (
 from ..shared.dtensor import DTensor, local, local_row_indices
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
-from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
+from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, STEP_SUM, TOTAL, Telemetry
 from . import codecs
 from .distributed import column_sq_means, compressible, local_state, shard_state
+from .plan import TurboGroupPlan
 from .reference import Layout, convert_state, decoded_moments, init_state, layout_of_state, matrix_view, turbo_adam_step
 
 V_BITS = (2, 4, 8)  # 2: factored base + 2-bit codes on matrices (4-bit codes on vectors); 4, 8: per element
 # torch AdamW's group keys, so that DCP's strict loads and checkpoints from torch.optim.AdamW work
-TELEMETRY = {**AMAX_UPDATE, SKIPPED_STEPS: TOTAL}
+V_CLIPPED = "v_clipped"  # elements whose fresh v fell outside the factored codes' range (fused path)
+TELEMETRY = {**AMAX_UPDATE, SKIPPED_STEPS: TOTAL, V_CLIPPED: STEP_SUM}
+# group options that change how tensors are kept (a change rebuilds the group's launch plan)
+_STRUCTURAL = ("block_size", "v_bits", "compress_m", "compress_v", "min_m_compress_elements",
+               "min_v_compress_elements")  # fmt: skip
 _ADAMW_KEYS = dict(amsgrad=False, maximize=False, foreach=None, fused=None, differentiable=False,
                    decoupled_weight_decay=True)  # fmt: skip
 
@@ -109,6 +116,7 @@ class TurboAdam(torch.optim.Optimizer):
         self.seed = rounding_seed
         super().__init__(params, defaults)
         self._exact_plans: dict[int, object] = {}
+        self._plans: dict[int, TurboGroupPlan] = {}
         self.telemetry = Telemetry(TELEMETRY)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -186,7 +194,7 @@ class TurboAdam(torch.optim.Optimizer):
                                            f"loaded state is kept as {loaded}, not as {target}: load a sharded "
                                            "state saved with the same options")  # fmt: skip
                     self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
-        self._exact_plans = {}
+        self._exact_plans, self._plans = {}, {}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -194,34 +202,55 @@ class TurboAdam(torch.optim.Optimizer):
         loss = start_step(self, closure)
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
-        # the compressed path reads found_inf on the host (one sync), as a PyTorch reference may
-        skip = found_inf is not None and bool(found_inf.item())
-        sharded = [p for g in self.param_groups for p in g["params"] if p.grad is not None and isinstance(p, DTensor)
-                   and self.layout(p, g).v_codec == codecs.FACTORED]  # fmt: skip
+        plans = [self._group_plan(index, group) for index, group in enumerate(self.param_groups)]
+        # Only the reference path reads found_inf on the host (one sync); the kernels read it on the device.
+        on_host = found_inf is not None and any(plan.reference for plan, _ in plans)
+        skip = on_host and bool(found_inf.item())
+        sharded = [params[i] for (plan, params), group in zip(plans, self.param_groups, strict=True)
+                   for i in plan.reference if isinstance(params[i], DTensor)
+                   and self.layout(params[i], group).v_codec == codecs.FACTORED]  # fmt: skip
         col_means = column_sq_means(sharded) if sharded and not skip else {}
         with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
-            for index, group in enumerate(self.param_groups):
-                self._step_group(index, group, grad_scale, found_inf, skip, col_means, telemetry)
+            for index, (group, (plan, params)) in enumerate(zip(self.param_groups, plans, strict=True)):
+                self._step_group(index, group, plan, params, grad_scale, found_inf, skip, col_means, telemetry)
         return loss
 
-    def _step_group(self, index: int, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool,
-                    col_means: dict[int, Tensor], telemetry: Telemetry) -> None:  # fmt: skip
-        """One param group: exact params through AdamW's stepper, compressed ones through the reference."""
+    def _group_plan(self, index: int, group: dict) -> tuple[TurboGroupPlan, list[Tensor]]:
+        """The cached plan of param group ``index`` and the params with grads it was built for."""
         params = [p for p in group["params"] if p.grad is not None]
-        exact = [p for p in params if self.layout(p, group).exact]
-        if exact:  # AdamW's fused step, exact fp32 moments
-            for p in exact:
-                self._init_state(p, group)
-            plan = group_stepper("adamw")(self._exact_plans, index, exact, self.state,
-                                          {**group, "state_dtype": "fp32"})  # fmt: skip
-            plan.run({**group, "state_dtype": "fp32"}, grad_scale, found_inf)
-            telemetry.watch("amax_update", plan.update_amax)
-        beta1, beta2 = (float(b) for b in group["betas"])
-        for i, p in enumerate(group["params"]):
-            if p.grad is None or self.layout(p, group).exact or skip:
-                continue
+        for i, p in enumerate(params):
             check_param_grad(i, local(p), local(p.grad))
             self._init_state(p, group)
+        key = (tuple(map(id, params)), *(group[k] for k in _STRUCTURAL))
+        plan = self._plans.get(index)
+        if plan is None or plan.key != key:
+            position = {id(p): i for i, p in enumerate(group["params"])}
+            plan = self._plans[index] = TurboGroupPlan(
+                key, params, self.state, [self.layout(p, group) for p in params],
+                [self._param_seed(index, position[id(p)]) for p in params], backend_mode())  # fmt: skip
+        return plan, params
+
+    def _step_group(self, index: int, group: dict, plan: TurboGroupPlan, params: list[Tensor],
+                    grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool, col_means: dict[int, Tensor],
+                    telemetry: Telemetry) -> None:  # fmt: skip
+        """One param group: fused launches, exact params through AdamW's stepper, the rest through
+        the reference."""
+        if plan.exact:  # AdamW's fused step, exact fp32 moments
+            stepper = group_stepper("adamw")(self._exact_plans, index, plan.exact, self.state,
+                                             {**group, "state_dtype": "fp32"})  # fmt: skip
+            stepper.run({**group, "state_dtype": "fp32"}, grad_scale, found_inf)
+            telemetry.watch("amax_update", stepper.update_amax)
+        for launch in plan.launches:
+            launch.run(group["lr"], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
+        if plan.launches:
+            telemetry.watch("amax_update", plan.update_amax)
+            telemetry.watch(V_CLIPPED, plan.clipped)
+        beta1, beta2 = (float(b) for b in group["betas"])
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        for i in plan.reference:
+            p = params[i]
+            if skip:
+                break
             grad = local(p.grad)
             grad = grad if grad_scale is None else grad.float() / grad_scale.to(grad.device)
             rows = local_row_indices(p) if isinstance(p, DTensor) else None
@@ -230,7 +259,8 @@ class TurboAdam(torch.optim.Optimizer):
                 col_mean = col_mean if grad_scale is None else col_mean / grad_scale.to(col_mean.device) ** 2
             amax = turbo_adam_step(local(p), grad, local_state(self.state[p]), self.layout(p, group),
                                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                                   weight_decay=float(group["weight_decay"]), seed=self._param_seed(index, i),
+                                   weight_decay=float(group["weight_decay"]),
+                                   seed=self._param_seed(index, position[id(p)]),
                                    rows_index=rows, col_sq_mean=col_mean)  # fmt: skip
             telemetry.add("amax_update", amax)
 

@@ -41,7 +41,7 @@ def init_state(p: Tensor, layout: Layout) -> dict[str, Tensor]:
     dev = p.device
     state = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
     if layout.compress_m:
-        state["exp_avg_codes"] = torch.zeros((rows, -(-cols // 2)), dtype=torch.uint8, device=dev)
+        state["exp_avg_codes"] = torch.zeros((rows, log_codes.planar_bytes(cols, 4)), dtype=torch.uint8, device=dev)
         state["exp_avg_scale"] = torch.zeros((rows, nb), dtype=torch.bfloat16, device=dev)
     else:
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -49,7 +49,7 @@ def init_state(p: Tensor, layout: Layout) -> dict[str, Tensor]:
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return state
     bits, _ = codecs.V_CODECS[layout.v_codec]
-    state["exp_avg_sq_codes"] = torch.zeros((rows, -(-cols * bits // 8)), dtype=torch.uint8, device=dev)
+    state["exp_avg_sq_codes"] = torch.zeros((rows, log_codes.planar_bytes(cols, bits)), dtype=torch.uint8, device=dev)
     if layout.v_codec == codecs.FACTORED:
         state["exp_avg_sq_row"] = torch.zeros(rows, dtype=torch.float32, device=dev)
         state["exp_avg_sq_col"] = torch.zeros(cols, dtype=torch.float32, device=dev)
@@ -139,7 +139,8 @@ def layout_of_state(state: dict[str, Tensor], cols: int, block: int) -> Layout:
     if "exp_avg_sq_row" in state:
         codec = codecs.FACTORED
     elif "exp_avg_sq_base" in state:
-        codec = codecs.LOG4 if state["exp_avg_sq_codes"].shape[-1] < cols or cols == 1 else codecs.LOG8
+        four = state["exp_avg_sq_codes"].shape[-1] == log_codes.planar_bytes(cols, 4)
+        codec = codecs.LOG4 if four else codecs.LOG8
     return Layout("exp_avg_codes" in state, codec, block)
 
 

@@ -1,0 +1,106 @@
+"""The TurboAdam tuning workloads: the 134M Llama-style list in each param dtype, at the default
+(4-bit m, factored v) and in the v-only and m-only modes, each launch checked against the PyTorch
+reference step. Used by ``python -m kernel_factory.optimizers.tune --families turbo_adam``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernel_factory.generator import TURBO_ADAM, size_bucket
+
+from ..parity import compare_tensors
+from ..shared.tuning import InPlaceTask
+from ..shared.workloads import SHAPE_SETS
+from .optimizer import TurboAdam
+from .plan import TurboLaunch
+from .reference import matrix_view, turbo_adam_step
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Normwise tolerance on the params after one launch: fp32 rounding (approximate sqrt, division and
+# log2 on the GPU; a stochastic rounding they move changes one v code, far below this), or one
+# rounding of a bf16 / fp16 param.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+CODE_FLIPS = 1e-3  # fraction of code bytes allowed to differ from the reference's
+MODES = {"default": {}, "v_only": {"compress_m": False}, "m_only": {"compress_v": False}}
+
+
+class TurboAdamTuningTask(InPlaceTask):
+    """The fused launch of one param dtype and mode on the 134M list as a tuner task."""
+
+    family = TURBO_ADAM
+
+    def __init__(self, dtype: torch.dtype, mode: str, device: str, bandwidth_tbs: float | None = None,
+                 seed: int = 0) -> None:  # fmt: skip
+        gen = torch.Generator(device=device).manual_seed(seed)
+        shapes = [s for _, s in SHAPE_SETS["llama134m"]]
+        self.params = [(torch.randn(s, device=device, generator=gen) * 0.02).to(dtype) for s in shapes]
+        for p in self.params:
+            p.grad = torch.randn(p.shape, device=device, generator=gen).to(dtype)
+        self.opt = TurboAdam(self.params, lr=1e-3, weight_decay=0.01, **MODES[mode])
+        self.opt.step()  # builds the plan and the state
+        (plan,) = self.opt._plans.values()
+        if len(plan.launches) != 1 or plan.reference:
+            raise RuntimeError("TurboAdam tuning needs the fused path for every tensor (CUDA)")
+        self.launch: TurboLaunch = plan.launches[0]
+        self.group = self.opt.param_groups[0]
+        self.variant = TURBO_ADAM.tuning_key(TURBO_ADAM.variant(**self.launch.variant))
+        self.dtype = self.launch.variant["param_dtype"]
+        numel = sum(p.numel() for p in self.params)
+        self.numel = size_bucket(numel)
+        state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for k, t in s.items() if k != "step")
+        coded = self.launch.params[: self.launch.n_coded]
+        stats = sum(p.numel() for p in coded) if self.launch.stats_work is not None else 0
+        moved = numel * 3 * dtype.itemsize + 2 * state + stats * dtype.itemsize  # the stats pass reads g again
+        self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
+        self.tol = TOL[dtype]
+        self.snapshot(self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        states = [t for s in self.launch.states for k, t in s.items() if k != "step"]
+        return [*self.launch.params, *states, self.launch.steps, self.launch.mean]
+
+    def configure(self, config) -> None:
+        self.launch.configure(config)
+        self.run()  # compiles here, so compile failures are typed as such
+        self._sync()
+
+    def run(self) -> None:
+        g = self.group
+        self.launch.run(g["lr"], g["betas"], g["eps"], g["weight_decay"], None, None)
+
+    def check(self) -> float:
+        """Worst normwise relative error of the params after one launch against the reference
+        (inf if more than CODE_FLIPS of any code tensor differs), on fresh grads."""
+        self.restore()
+        for p in self.params:
+            p.grad.normal_()
+        launch, g = self.launch, self.group
+        refs = []
+        for t, (p, state) in enumerate(zip(launch.params, launch.states, strict=True)):
+            layout = self.opt.layout(p, g)
+            if layout.exact:
+                continue
+            q, s = p.clone(), {k: v.clone() for k, v in state.items()}
+            turbo_adam_step(q, p.grad, s, layout, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+                            eps=g["eps"], weight_decay=g["weight_decay"], seed=int(launch.meta[t, 3]))  # fmt: skip
+            refs.append((p, state, q, s))
+        self.run()
+        self._sync()
+        error = 0.0
+        for p, state, q, s in refs:
+            error = max(error, compare_tensors("p", "check", matrix_view(p), matrix_view(q), self.tol).rel)
+            for key, t in state.items():
+                if t.dtype == torch.uint8 and float((t != s[key]).float().mean()) > CODE_FLIPS:
+                    error = float("inf")
+        self.restore()
+        return error
+
+    def _sync(self) -> None:
+        if self.params[0].is_cuda:
+            torch.cuda.synchronize()
+
+
+def turbo_adam_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[TurboAdamTuningTask]:
+    """The TurboAdam keys: each dtype x mode on the 134M list."""
+    return [TurboAdamTuningTask(DTYPES[d], mode, device, bandwidth_tbs) for d in dtypes for mode in MODES]
