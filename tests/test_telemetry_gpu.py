@@ -11,7 +11,12 @@ from kernel_factory.generator.timing import capture_graph
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+# Adafactor's preview steps through PyTorch ops that read its step count on the host: it cannot be
+# captured until its kernels land (docs/adafactor.md).
+CAPTURABLE = [name for name in OPTIMIZERS if name != "Adafactor"]
+
+
+@pytest.mark.parametrize("name", CAPTURABLE)
 def test_graph_replays_keep_counting(name):
     model = gqa_model(device="cuda")
     opt = no_decay_optimizer(name, model, momentum="fp8")

@@ -28,6 +28,8 @@ from ..adam_mini import AdamMini, ReferenceAdamMini  # noqa: E402
 from ..adamw import Adam, AdamW, ReferenceAdam, ReferenceAdamW  # noqa: E402
 from ..muon import Muon  # noqa: E402
 from ..shared.workloads import INIT_STD, SHAPE_SETS, ShapeModel  # noqa: E402
+from ..turbo_adam import TurboAdam  # noqa: E402
+from ..turbo_adam.optimizer import ReferenceTurboAdam  # noqa: E402
 from .bounds import muon_tol  # noqa: E402
 from .check import parity_check  # noqa: E402
 
@@ -61,6 +63,7 @@ def cells(steps: int):
                 yield (name, cls, dtype, shapes, device, *_oracle(name, dtype), TOL[dtype], {}, None)
     yield from adam_mini_cells(device)
     yield from muon_cells(device, steps)
+    yield from turbo_adam_cells(device, shape_sets)
 
 
 class OfficialAdamMini:
@@ -119,6 +122,24 @@ def muon_cells(device: str, steps: int):
     for shapes in ["llama_tiny_hidden", "llama134m_hidden"] if ON_GPU else ["llama_tiny_hidden"]:
         tol = muon_tol([s for _, s in SHAPE_SETS[shapes]], HYPER["lr"], steps, INIT_STD)
         yield ("Muon", Muon, torch.float32, shapes, device, torch.optim.Muon, "torch Muon", tol, {}, None)
+
+
+# TurboAdam's codes: the GPU's approximate log2 and division may move a stochastic rounding by an
+# ulp of its threshold, flipping one code byte in about a million a step (a byte's change is a
+# few 1e-3 of a code tensor's norm, so a few such flips stay under 1e-2).
+TURBO_CODES_TOL = 1e-2
+
+
+def turbo_adam_cells(device: str, shape_sets: list[str]):
+    """TurboAdam with both codecs off against torch AdamW (it is our AdamW then), and with every
+    tensor compressed (size thresholds 0, so that the small set's vectors and matrices keep
+    codes) against its PyTorch reference; fp32 parameters."""
+    for shapes in shape_sets:
+        codecs_off = lambda ps, **kw: TurboAdam(ps, compress_m=False, compress_v=False, **kw)  # noqa: E731
+        yield ("TurboAdam0", codecs_off, torch.float32, shapes, device, *_oracle("AdamW", torch.float32),
+               TOL[torch.float32], {}, None)  # fmt: skip
+        yield ("TurboAdam", TurboAdam, torch.float32, shapes, device, ReferenceTurboAdam, "reference",
+               TURBO_CODES_TOL, dict(min_m_compress_elements=0, min_v_compress_elements=0), None)  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -2,9 +2,10 @@
 
     opt = TurboAdam(model.parameters(), lr=3e-4, weight_decay=0.1)   # ~0.77 B of state per param
 
-With both codecs off (or for tensors under the size thresholds) a parameter steps through AdamW's
-own stepper (exact fp32 moments, bitwise our AdamW); compressed parameters take the PyTorch
-reference step (reference.py) for now.
+On CUDA the fused kernels (plan.py) step every tensor of a group, compressed ones and those under
+the size thresholds (exact fp32 moments, bitwise our AdamW); with both codecs off it is our AdamW's
+stepper. Sharded matrices (FSDP2), the CPU and what the kernels do not take step through the
+PyTorch reference (reference.py).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class TurboAdam(torch.optim.Optimizer):
         v_bits: 2 (default: matrices keep Adafactor's row and column means and a 2-bit code per
             element; vectors 4-bit codes), 4 or 8 (per-element log codes).
         compress_m, compress_v: False keeps that moment exact (fp32), e.g. a v-only mode.
-        capturable: accepted (torch's meaning); the step reads its count on the host for now.
+        capturable: accepted (torch's meaning); the fused CUDA step is capturable whatever its value
+            (no host sync), the reference path (sharded matrices, the CPU) is not.
         min_m_compress_elements, min_v_compress_elements: smaller tensors keep exact fp32 moments.
         m_block_size, m_step_factor: turboadam's first-moment codec options, accepted so that its
             users switch by import; ignored with one warning (this codec has no counterpart).
@@ -72,6 +74,7 @@ class TurboAdam(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    _backend: str | None = None  # KERNEL_FACTORY_BACKEND's value unless a subclass fixes one
 
     def __init__(
         self,
@@ -225,9 +228,9 @@ class TurboAdam(torch.optim.Optimizer):
         plan = self._plans.get(index)
         if plan is None or plan.key != key:
             position = {id(p): i for i, p in enumerate(group["params"])}
-            plan = self._plans[index] = TurboGroupPlan(
-                key, params, self.state, [self.layout(p, group) for p in params],
-                [self._param_seed(index, position[id(p)]) for p in params], backend_mode())  # fmt: skip
+            seeds = [self._param_seed(index, position[id(p)]) for p in params]
+            plan = self._plans[index] = TurboGroupPlan(key, params, self.state, [self.layout(p, group) for p in params],
+                                                       seeds, self._backend or backend_mode())  # fmt: skip
         return plan, params
 
     def _step_group(self, index: int, group: dict, plan: TurboGroupPlan, params: list[Tensor],
@@ -267,3 +270,10 @@ class TurboAdam(torch.optim.Optimizer):
     def _param_seed(self, group: int, index: int) -> int:
         """The random stream of parameter ``index`` of group ``group``: the same on every rank."""
         return (self.seed * 1_000_003 + group * 65_537 + index) & 0xFFFFFFFF
+
+
+class ReferenceTurboAdam(TurboAdam):
+    """TurboAdam on its PyTorch reference path (reference.py) whatever KERNEL_FACTORY_BACKEND says:
+    the oracle of the fused kernels' parity cells."""
+
+    _backend = "torch"

@@ -104,7 +104,9 @@ class TurboLaunch:
         n = len(self.params)
         self.done = torch.zeros(n, dtype=torch.int32, device=dev)
         self.stats_done = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.mean = torch.zeros((n, 2), dtype=torch.float32, device=dev)
+        fresh = not hasattr(self, "mean")  # kept across configure(): the means codes were written against
+        if fresh:
+            self.mean = torch.zeros((n, 2), dtype=torch.float32, device=dev)
         meta = torch.zeros((n, META), dtype=torch.int64)
         items, bands = [], {}
         ws_off, next_rows, next_cols = 0, [], []
@@ -130,7 +132,8 @@ class TurboLaunch:
                 state = self.states[t]
                 next_rows.append(torch.empty_like(state["exp_avg_sq_row"]))
                 next_cols.append(torch.empty_like(state["exp_avg_sq_col"]))
-                self.mean[t, 0] = state["exp_avg_sq_col"].mean()
+                if fresh:
+                    self.mean[t, 0] = state["exp_avg_sq_col"].mean()
         # big tensors first: their programs (and their last, stats-adding one) start early
         order = sorted(range(n), key=lambda t: -self.params[t].numel())
         work = torch.cat([items[t] for t in order]).to(torch.int32)

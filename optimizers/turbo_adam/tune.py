@@ -77,12 +77,12 @@ class TurboAdamTuningTask(InPlaceTask):
             p.grad.normal_()
         launch, g = self.launch, self.group
         refs = []
-        for t, (p, state) in enumerate(zip(launch.params, launch.states, strict=True)):
-            layout = self.opt.layout(p, g)
+        for t, (source, p, state) in enumerate(zip(launch.sources, launch.params, launch.states, strict=True)):
+            layout = self.opt.layout(source, g)
             if layout.exact:
                 continue
             q, s = p.clone(), {k: v.clone() for k, v in state.items()}
-            turbo_adam_step(q, p.grad, s, layout, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+            turbo_adam_step(q, source.grad, s, layout, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                             eps=g["eps"], weight_decay=g["weight_decay"], seed=int(launch.meta[t, 3]))  # fmt: skip
             refs.append((p, state, q, s))
         self.run()
