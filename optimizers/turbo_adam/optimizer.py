@@ -74,7 +74,7 @@ class TurboAdam(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
-    _backend: str | None = None  # KERNEL_FACTORY_BACKEND's value unless a subclass fixes one
+    backend: str | None = None  # None: KERNEL_FACTORY_BACKEND decides; subclasses may pin it (as AdamW)
 
     def __init__(
         self,
@@ -230,7 +230,7 @@ class TurboAdam(torch.optim.Optimizer):
             position = {id(p): i for i, p in enumerate(group["params"])}
             seeds = [self._param_seed(index, position[id(p)]) for p in params]
             plan = self._plans[index] = TurboGroupPlan(key, params, self.state, [self.layout(p, group) for p in params],
-                                                       seeds, self._backend or backend_mode())  # fmt: skip
+                                                       seeds, self.backend or backend_mode())  # fmt: skip
         return plan, params
 
     def _step_group(self, index: int, group: dict, plan: TurboGroupPlan, params: list[Tensor],
@@ -276,4 +276,4 @@ class ReferenceTurboAdam(TurboAdam):
     """TurboAdam on its PyTorch reference path (reference.py) whatever KERNEL_FACTORY_BACKEND says:
     the oracle of the fused kernels' parity cells."""
 
-    _backend = "torch"
+    backend = "torch"
