@@ -81,6 +81,7 @@ class TurboLaunch:
         # one set of counters per launch: the interpreter launches once per tensor
         self.telemetries = [LaunchTelemetry(dev) for _ in range(1 if multi_tensor else len(self.params))]
         self._dummy = torch.zeros(16, dtype=torch.float32, device=dev)
+        self._one, self._zero = torch.ones((), device=dev), torch.zeros((), device=dev)
         self.variant = dict(multi_tensor=multi_tensor, param_dtype=TRITON_DTYPES[self.params[0].dtype],
                             m_codec="q4" if layout.compress_m else "exact", v_codec=_V_AXIS[layout.v_codec],
                             exact_items=bool(exact))  # fmt: skip
@@ -182,8 +183,9 @@ class TurboLaunch:
             grad_scale: Tensor | None, found_inf: Tensor | None) -> None:  # fmt: skip
         b1, b2 = (float(b) for b in betas)
         scaling = grad_scale is not None or found_inf is not None
-        gs = grad_scale.to(self.device) if grad_scale is not None else torch.ones((), device=self.device)
-        fi = found_inf.to(self.device) if found_inf is not None else torch.zeros((), device=self.device)
+        # without GradScaler the kernels read neither: constants made once, no per-step allocation
+        gs = grad_scale.to(self.device) if grad_scale is not None else self._one
+        fi = found_inf.to(self.device) if found_inf is not None else self._zero
         module = self.kernels(scaling)
         cfg = self.config
         tile = dict(ROWS=cfg["ROWS"], num_warps=cfg["num_warps"])
