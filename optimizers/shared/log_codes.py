@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 _MASK = 0xFFFFFFFF
+PLANE_GROUP = 128  # elements of a row per planar group (``pack_planar``)
+PLANE_WIDTH = 32  # elements of a plane per group: a group is 4 planes, one per byte of a hash
 
 
 def _hash32(x: Tensor) -> Tensor:
@@ -34,11 +36,27 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def _key(seed: int, step: int, device: torch.device) -> Tensor:
+    """The hash key of (seed, step): lowbias32(seed * 0x9E3779B1 + step * 0x85EBCA77 mod 2^32)."""
+    return _hash32(torch.tensor((seed * 0x9E3779B1 + step * 0x85EBCA77) & _MASK, dtype=torch.int64)).to(device)
+
+
 def uniform(seed: int, step: int, index: Tensor) -> Tensor:
     """fp32 uniforms in [0, 1) (23 random bits: a kernel makes them as the mantissa of a float in
     [1, 2), less 1, with no int-to-float conversion) for elements ``index`` (int64) at ``step``."""
-    key = _hash32(torch.tensor((seed * 0x9E3779B1 + step * 0x85EBCA77) & _MASK, dtype=torch.int64))
-    return (_hash32(index ^ key.to(index.device)) >> 9).to(torch.float32) * 2.0**-23
+    return (_hash32(index ^ _key(seed, step, index.device)) >> 9).to(torch.float32) * 2.0**-23
+
+
+def plane_uniforms(seed: int, step: int, rows_index: Tensor, cols: int) -> Tensor:
+    """fp32 uniforms (R, cols) in (0, 1) for codes kept in planes (``pack_planar``): one hash per
+    position of a group's first 32-column plane, of its global index (row * cols + column), whose
+    byte k serves the same position of plane k: (byte + 1/2) / 256. A kernel thread holding the
+    four planes' elements of a position hashes once for four roundings (a rounding's bias is at
+    most 1/512 of a code step)."""
+    col = torch.arange(cols, dtype=torch.int64, device=rows_index.device)
+    plane = col % PLANE_GROUP // PLANE_WIDTH
+    h = _hash32((rows_index[:, None] * cols + (col - plane * PLANE_WIDTH)) ^ _key(seed, step, rows_index.device))
+    return ((h >> (8 * plane)) & 255).to(torch.float32).add_(0.5).mul_(1 / 256)
 
 
 def stochastic_round(x: Tensor, u: Tensor) -> Tensor:
@@ -75,7 +93,6 @@ def unpack(packed: Tensor, bits: int, cols: int) -> Tensor:
     return flat_rows(codes)[:, :cols]
 
 
-PLANE_GROUP = 128  # elements of a row per planar group (``pack_planar``)
 
 
 def planar_bytes(cols: int, bits: int) -> int:

@@ -26,9 +26,12 @@ from . import codecs
 from .reference import Layout, matrix_view
 
 AMAX_SLOTS, META = 64, 10  # the template's: telemetry slots, int64 fields per tensor of the meta table
-STATS_BAND_TILE = 8  # bands the last stats program adds per load (the template's NBT)
-STATS_TILE, STATS_WARPS = (8, 256), 4  # the stats launch's tile (rows, columns): 16 elements a thread
-# bands of a tensor at most: the last band of a tensor adds the bands' column sums alone, so a tall
+STATS_BAND_TILE = 8  # bands the last band of a stripe adds per load (the template's NBT)
+# the stats launch's tile (the template's RT x TC): a program is a band of rows x a stripe of TC
+# columns, summed elementwise over the band; 64 bytes of a row a thread (16 fp32 or 32 bf16 rows:
+# the fastest of eight tiles timed on the H200, 134M list)
+STATS_COLS, STATS_WARPS, STATS_ROW_BYTES = 256, 4, 64
+# bands of a tensor at most: the last band of a stripe adds the bands' column sums alone, so a tall
 # matrix (an embedding) takes bands of more than BAND rows rather than keep one program busy
 MAX_BANDS = 64
 _V_AXIS = {None: "exact", codecs.FACTORED: "factored", codecs.LOG4: "log4", codecs.LOG8: "log8"}
@@ -100,6 +103,8 @@ class TurboLaunch:
         shapes = [matrix_view(p).shape for p in self.params]
         # vector accesses need every row to start 16 elements apart; offsets fit int32 below 2^31
         self.aligned = all(cols % 16 == 0 for _, cols in shapes)
+        self.stats_rows = STATS_ROW_BYTES // self.params[0].element_size()
+        self.full = all(cols % (rows_g * PLANE_GROUP) == 0 for _, cols in shapes)  # no tile past a row's end
         self.int64 = any(rows * -(-cols // PLANE_GROUP) * PLANE_GROUP >= 2**31 for rows, cols in shapes)
         factored = layout.v_codec == codecs.FACTORED
         n = len(self.params)
@@ -111,6 +116,7 @@ class TurboLaunch:
         meta = torch.zeros((n, META), dtype=torch.int64)
         items, bands = [], {}
         ws_off, next_rows, next_cols = 0, [], []
+        band_slots = stripe_slots = 0  # the stats launch's counters: one per band, one per stripe
         span = cfg["SPAN"] * rows_g
         for t, (rows, cols) in enumerate(shapes):
             coded = t < self.n_coded
@@ -122,14 +128,22 @@ class TurboLaunch:
             item = torch.stack([torch.full_like(rr, t), torch.full_like(rr, 0 if coded else 1), rr, gg,
                                 (ngroups - gg).clamp(max=span)], 1)  # fmt: skip
             items.append(item)
-            tile = STATS_TILE[0]
+            tile = self.stats_rows
             band_rows = -(-max(cfg["BAND"], -(-rows // MAX_BANDS)) // tile) * tile
             nbands = -(-rows // band_rows) if coded and factored else 0
+            nstripes = -(-cols // STATS_COLS)
             seed = seeds[t] if coded else 0
-            meta[t, :9] = torch.tensor([rows, cols, 0, seed, item.shape[0], nbands, ws_off, rows, band_rows])
+            # workspace: column partials [bands, cols], row partials [stripes, rows], the stripes'
+            # sums of col_next [stripes], then log2 col_next [cols] at field 9, 16 elements aligned
+            # (the update launch loads it in vectors)
+            log2_col_off = -(-(ws_off + nbands * cols + nstripes * (rows + 1)) // 16) * 16 if nbands else 0
+            meta[t] = torch.tensor([rows, cols, 0, seed, item.shape[0], nbands, ws_off, rows, band_rows, log2_col_off])
             if nbands:
-                bands[t] = torch.stack([torch.full((nbands,), t), torch.arange(nbands)], 1)
-                ws_off += nbands * cols
+                b, st = (x.reshape(-1) for x in torch.meshgrid(torch.arange(nbands), torch.arange(nstripes),
+                                                              indexing="ij"))  # fmt: skip
+                bands[t] = torch.stack([torch.full_like(b, t), b, st, band_slots + b, stripe_slots + st], 1)
+                band_slots, stripe_slots = band_slots + nbands, stripe_slots + nstripes
+                ws_off = log2_col_off + cols
                 state = self.states[t]
                 next_rows.append(torch.empty_like(state["exp_avg_sq_row"]))
                 next_cols.append(torch.empty_like(state["exp_avg_sq_col"]))
@@ -146,6 +160,8 @@ class TurboLaunch:
         self._bands_of = {t: b.to(torch.int32).contiguous() for t, b in bands.items()} if not self.multi_tensor else {}
         self.meta = meta.to(dev)
         self.workspace = torch.empty(max(ws_off, 1), dtype=torch.float32, device=dev)
+        self.band_done = torch.zeros(max(band_slots, 1), dtype=torch.int32, device=dev)
+        self.stripe_done = torch.zeros(max(stripe_slots, 1), dtype=torch.int32, device=dev)
         self.row_next, self.col_next = next_rows, next_cols
         self._grads = GradTable(dev, n) if self.multi_tensor and dev.type == "cuda" else None
         self._pointers = self._state_pointers()
@@ -193,8 +209,8 @@ class TurboLaunch:
         upd = (b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), float(eps), float(weight_decay))
         stats_tail = (gs, fi, b2, 1.0 - b2)
         flags = dict(ALIGNED=self.aligned, INT64=self.int64)
-        stats_cfg = dict(ROWS=STATS_TILE[0], TC=STATS_TILE[1], NBT=STATS_BAND_TILE, num_warps=STATS_WARPS, **flags)
-        upd_cfg = dict(G=cfg["G"], MB=self.layout.block, **tile, **flags)
+        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS, **flags)
+        upd_cfg = dict(G=cfg["G"], MB=self.layout.block, FULL=self.full, **tile, **flags)
         if cfg["maxnreg"] and self.multi_tensor:  # a CUDA launch option (the interpreter has none)
             upd_cfg["maxnreg"] = cfg["maxnreg"]
         if self.multi_tensor:
@@ -203,11 +219,13 @@ class TurboLaunch:
             if self.stats_work is not None:
                 module.turbo_adam_stats_kernel[(self.stats_work.shape[0],)](
                     self.stats_work, self.meta, g_table, row_t, col_t, rn_t, cn_t, self.workspace,
-                    self.stats_done, self.mean, *stats_tail, **stats_cfg)  # fmt: skip
+                    self.stats_done, self.band_done, self.stripe_done, self.mean, *stats_tail,
+                    **stats_cfg)  # fmt: skip
             tel = self.telemetries[0]
             module.turbo_adam_kernel[(self.work.shape[0],)](
-                self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t, self.steps,
-                self.done, self.mean, tel.launch, lr_t, gs, fi, tel.amax_slots, tel.clip, *upd, **upd_cfg)  # fmt: skip
+                self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t, self.workspace,
+                self.steps, self.done, self.mean, tel.launch, lr_t, gs, fi, tel.amax_slots, tel.clip, *upd,
+                **upd_cfg)  # fmt: skip
             return
         for t, g in enumerate(self.grads()):  # the interpreter: one tensor per launch, as tensor 0
             p, m, ms, v, vb, row, col, rn, cn = (ts[t] for ts in self._pointers)
@@ -217,12 +235,12 @@ class TurboLaunch:
             if t in self._bands_of:
                 bands = self._bands_of[t]
                 module.turbo_adam_stats_kernel[(bands.shape[0],)](
-                    bands, meta, g, row, col, rn, cn, self.workspace, self.stats_done[t:], mean, *stats_tail,
-                    **stats_cfg)  # fmt: skip
+                    bands, meta, g, row, col, rn, cn, self.workspace, self.stats_done[t:], self.band_done,
+                    self.stripe_done, mean, *stats_tail, **stats_cfg)  # fmt: skip
             work = self._work_of[t]
             module.turbo_adam_kernel[(work.shape[0],)](
-                work, meta, p, g, m, ms, v, vb, row, col, rn, cn, step, done, mean, tel.launch, lr_t, gs, fi,
-                tel.amax_slots, tel.clip, *upd, **upd_cfg)  # fmt: skip
+                work, meta, p, g, m, ms, v, vb, row, col, rn, cn, self.workspace, step, done, mean, tel.launch, lr_t,
+                gs, fi, tel.amax_slots, tel.clip, *upd, **upd_cfg)  # fmt: skip
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| of this launch's tensors (0-d fp32, no sync)."""

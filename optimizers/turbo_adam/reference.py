@@ -124,7 +124,7 @@ def store_moments(state: dict[str, Tensor], m: Tensor, v: Tensor, layout: Layout
         return
     if rows_index is None:
         rows_index = torch.arange(rows, dtype=torch.int64, device=m.device)
-    u = log_codes.uniform(seed, step, rows_index[:, None] * cols + torch.arange(cols, device=m.device))
+    u = log_codes.plane_uniforms(seed, step, rows_index, cols)
     if layout.v_codec == codecs.FACTORED:
         codes = codecs.encode_v_factored(v, state["exp_avg_sq_row"], state["exp_avg_sq_col"], u)
     else:
