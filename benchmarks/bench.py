@@ -68,11 +68,17 @@ def time_copy(nbytes: int) -> float:
     return time_ms(lambda: dst.copy_(src))[1]
 
 
+# steps before timing (state init, compilation): a peer's first steps in a fresh process can be far
+# slower than its later ones (turboadam 0.2.0 on the H200: 260-330 ms against 8-10 ms)
+WARM_STEPS = 5
+
+
 def measure(spec, shapes_name, dtype, rep_ms) -> dict:
     named = named_params(SHAPE_SETS[shapes_name], dtype)
     numel = sum(p.numel() for _, p in named)
     opt = spec.build(named, SHAPES_OF[shapes_name], LR, WD)
-    opt.step()  # state init, compilation
+    for _ in range(WARM_STEPS):
+        opt.step()
     torch.cuda.synchronize()
     state = state_bytes(opt) / numel
     eager = time_ms(opt.step, rep_ms=rep_ms)[1]

@@ -192,12 +192,22 @@ def select(names: Iterable[str] | None, device: str) -> tuple[list[OptimizerSpec
 
 def state_bytes(optimizer) -> int:
     """Bytes of every tensor in the optimizer's state, packed tensor subclasses (torchao's
-    quantized states) counted by their inner tensors."""
+    quantized states) counted by their inner tensors, tensors in nested dicts, lists and tuples
+    (turboadam's per-moment code records) and in the attributes of plain wrapper objects
+    (flashoptim's quantized moments) counted too, a few levels deep."""
 
-    def nbytes(t: Tensor) -> int:
-        if hasattr(t, "__tensor_flatten__") and type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
-            inner, _ = t.__tensor_flatten__()
-            return sum(nbytes(getattr(t, a)) for a in inner)
-        return t.numel() * t.element_size()
+    def nbytes(x, depth: int = 0) -> int:
+        if depth > 3:
+            return 0
+        if isinstance(x, dict):
+            return sum(nbytes(v, depth + 1) for v in x.values())
+        if isinstance(x, list | tuple):
+            return sum(nbytes(v, depth + 1) for v in x)
+        if not isinstance(x, Tensor):
+            return sum(nbytes(v, depth + 1) for v in vars(x).values()) if hasattr(x, "__dict__") else 0
+        if hasattr(x, "__tensor_flatten__") and type(x) is not Tensor and not isinstance(x, torch.nn.Parameter):
+            inner, _ = x.__tensor_flatten__()
+            return sum(nbytes(getattr(x, a), depth + 1) for a in inner)
+        return x.numel() * x.element_size()
 
-    return sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
+    return sum(nbytes(s) for s in optimizer.state.values())

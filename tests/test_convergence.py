@@ -87,6 +87,22 @@ def test_state_bytes_counts_adamw_moments():
     assert registry.state_bytes(opt) == 1000 * 8 + 4  # exp_avg, exp_avg_sq fp32 and the step
 
 
+def test_state_bytes_counts_nested_records():
+    """A peer that keeps each moment as a record of codes and scales (turboadam) or in a wrapper
+    object (flashoptim) is counted whole."""
+
+    class Wrapped:
+        def __init__(self):
+            self._quantized, self._scales, self._signed = torch.zeros(64, dtype=torch.int8), torch.ones(1), True
+
+    p = torch.nn.Parameter(torch.randn(256))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.state[p] = {"step": 3, "v": {"indices": torch.zeros(128, dtype=torch.uint8), "scales": torch.ones(2),
+                                     "n_bits": 4}, "parts": [torch.zeros(4, dtype=torch.bfloat16)],
+                    "m": Wrapped()}  # fmt: skip
+    assert registry.state_bytes(opt) == 128 + 2 * 4 + 4 * 2 + 64 + 4
+
+
 def test_ours_and_torch_fused_train_to_the_same_losses():
     corpus = CharCorpus.from_text(TEXT * 3, block_size=16)
     rc = RunConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, block_size=16, batch_size=4,
