@@ -221,12 +221,15 @@ class TurboAdam(torch.optim.Optimizer):
     def _group_plan(self, index: int, group: dict) -> tuple[TurboGroupPlan, list[Tensor]]:
         """The cached plan of param group ``index`` and the params with grads it was built for."""
         params = [p for p in group["params"] if p.grad is not None]
-        for i, p in enumerate(params):
-            check_param_grad(i, local(p), local(p.grad))
-            self._init_state(p, group)
         key = (tuple(map(id, params)), *(group[k] for k in _STRUCTURAL))
         plan = self._plans.get(index)
         if plan is None or plan.key != key:
+            # checked and given state when the plan is built: afterwards the fused launches check
+            # a grad when its address changes, the reference path every step (no per-step cost
+            # per parameter on the fused path)
+            for i, p in enumerate(params):
+                check_param_grad(i, local(p), local(p.grad))
+                self._init_state(p, group)
             position = {id(p): i for i, p in enumerate(group["params"])}
             seeds = [self._param_seed(index, position[id(p)]) for p in params]
             plan = self._plans[index] = TurboGroupPlan(key, params, self.state, [self.layout(p, group) for p in params],
@@ -255,6 +258,7 @@ class TurboAdam(torch.optim.Optimizer):
             if skip:
                 break
             grad = local(p.grad)
+            check_param_grad(i, local(p), grad)
             grad = grad if grad_scale is None else grad.float() / grad_scale.to(grad.device)
             rows = local_row_indices(p) if isinstance(p, DTensor) else None
             col_mean = col_means.get(id(p))
