@@ -66,7 +66,11 @@ def encode_m(m: Tensor, block: int) -> tuple[Tensor, Tensor]:
     (R, ceil(C / block)))."""
     rows, cols = m.shape
     b = blocks_of(m, block)
-    scale = _bf16_up(b.abs().amax(-1) / M_LEVELS)
+    amax = b.abs().amax(-1)
+    # divided by a tensor: CUDA divides by a Python scalar as a product with its rounded reciprocal,
+    # one ulp over amax / 7 where that is a bf16 value (amax = 7 scale, as in a decoded block, or
+    # 0.1 g of a bf16 g), which put such a block's scale one bf16 step up
+    scale = _bf16_up(amax / torch.full_like(amax, M_LEVELS))
     s = scale.float()[..., None]
     inv = 1.0 / torch.where(s > 0, s, torch.ones_like(s))  # the kernels multiply by one reciprocal a block
     q = torch.round(b * inv).clamp_(-M_LEVELS, M_LEVELS)
