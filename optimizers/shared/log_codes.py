@@ -93,8 +93,6 @@ def unpack(packed: Tensor, bits: int, cols: int) -> Tensor:
     return flat_rows(codes)[:, :cols]
 
 
-
-
 def planar_bytes(cols: int, bits: int) -> int:
     """Bytes per row of ``pack_planar``'s output: whole 128-element groups."""
     return -(-cols // PLANE_GROUP) * PLANE_GROUP * bits // 8
