@@ -2,6 +2,8 @@
 134M-parameter Llama-style list, against the HBM floor and against each other.
 
     python -m benchmarks.bench [--optimizers a,b] [--shapes single_4096x1024,llama134m] [--dtypes fp32,bf16]
+    (shape sets: small, single_4096x1024 and the models of workloads.MODELS: llama134m, qwen2_5_0_5b,
+    llama3_2_1b, llama2_7b_4layers)
 
 Floor = bytes a step must move / copy bandwidth measured in the same run (4 GiB copy). Bytes
 per parameter = 2 x param bytes (read, write) + grad bytes + 2 x state bytes per parameter
@@ -28,13 +30,14 @@ from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
 from benchmarks.reporting import nox_command
 from kernel_factory.generator.timing import capture_graph, copy_bandwidth_tbs, time_ms
 from kernel_factory.optimizers import AdamW
-from kernel_factory.optimizers.shared.workloads import SHAPE_SETS
+from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULTS = Path(__file__).resolve().parent / "results"
 LR, WD = 1e-3, 0.01
 # Model dimensions of each shape set, for adam-mini's per-head partition.
-SHAPES_OF = {"llama134m": Shape(768, 12, 12), "single_4096x1024": Shape(1024, 8, 8), "small": Shape(8, 1, 1)}
+SHAPES_OF = {"single_4096x1024": Shape(1024, 8, 8), "small": Shape(8, 1, 1),
+             **{name: Shape(c["dim"], c["n_heads"], c.get("n_kv_heads", c["n_heads"])) for name, c in MODELS.items()}}
 FP32_STATE = OptimizerSpec(
     "kernel_factory_adamw_fp32_state",
     lambda n, s, lr, wd: AdamW([p for _, p in n], lr=lr, weight_decay=wd, state_dtype="fp32"),
@@ -147,9 +150,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ns-sizes", default="1024,4096,8192",
                     help="NS5 matrix sizes for benchmarks/bench_newton_schulz.py (empty: skip it)")
     args = ap.parse_args(argv)
-    unknown = set(args.shapes.split(",")) - set(SHAPE_SETS)
+    unknown = set(args.shapes.split(",")) - set(SHAPES_OF)
     if unknown:
-        ap.error(f"unknown shape set(s) {sorted(unknown)}; known: {', '.join(SHAPE_SETS)}")
+        ap.error(f"unknown shape set(s) {sorted(unknown)}; known: {', '.join(SHAPES_OF)}")
     if not torch.cuda.is_available():
         print("bench: no CUDA GPU here; nothing to time (the interpreter's timings mean nothing)")
         return 0

@@ -1,0 +1,47 @@
+"""The shape sets of models users train match their published parameter counts, and the bench
+selects them by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import bench
+from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS, llama_param_shapes
+
+# Parameter counts of the public checkpoints (the hub's safetensors metadata).
+PUBLISHED = {"qwen2_5_0_5b": 494_032_768, "llama3_2_1b": 1_235_814_400}
+
+
+def _count(shapes) -> int:
+    return sum(math.prod(s) for _, s in shapes)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_model_shapes_have_the_published_parameter_counts(name):
+    assert _count(SHAPE_SETS[name]) == PUBLISHED[name]
+
+
+def test_llama2_7b_slice_is_four_layers_of_the_published_model():
+    whole = llama_param_shapes(**{**MODELS["llama2_7b_4layers"], "layers": 32})
+    assert _count(whole) == 6_738_415_616
+    names = {n for n, _ in SHAPE_SETS["llama2_7b_4layers"]}
+    assert "layers.3.mlp.down_proj.weight" in names and "layers.4.mlp.down_proj.weight" not in names
+    assert dict(SHAPE_SETS["llama2_7b_4layers"])["layers.0.mlp.down_proj.weight"] == (4096, 11008)
+
+
+def test_tied_models_have_no_lm_head_and_qwen_has_qkv_biases():
+    qwen = dict(SHAPE_SETS["qwen2_5_0_5b"])
+    assert "lm_head.weight" not in qwen and "lm_head.weight" not in dict(SHAPE_SETS["llama3_2_1b"])
+    assert qwen["layers.0.self_attn.k_proj.weight"] == (128, 896) and qwen["layers.0.self_attn.k_proj.bias"] == (128,)
+    assert _count(SHAPE_SETS["llama134m"]) == 134_105_856 and len(SHAPE_SETS["llama134m"]) == 111
+
+
+def test_bench_takes_every_model_by_name_and_rejects_others(capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)  # checks the arguments, times nothing
+    assert set(MODELS) <= set(bench.SHAPES_OF)
+    assert bench.main(["--shapes", ",".join(MODELS), "--ns-sizes", ""]) == 0
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "gpt5"])
+    assert "unknown shape set" in capsys.readouterr().err
