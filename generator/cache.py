@@ -1,8 +1,11 @@
 """Tuned-config lookup from ``autotune_cache/<arch>.json`` (schema in DESIGN.md).
 
-Lookup order for (family, tuning key, dtype, size): exact size bucket -> nearest
-bucket (in log2 distance) -> the family default. A user overlay
-(``<user cache dir>/<arch>.json``) wins over the packaged file entry by entry.
+Lookup order for (family, tuning key, dtype, size) on a GPU: entries tuned on this GPU (its name,
+e.g. "NVIDIA H100 80GB HBM3"), then entries of the same architecture tuned on another GPU (one
+warning), then the family default (one warning); among a GPU's entries, the exact size bucket,
+else the nearest (in log2 distance). An entry without a ``device`` was tuned on the GPU its
+file's ``environment`` names. A user overlay (``<user cache dir>/<arch>.json``) wins over the
+packaged file entry by entry.
 Entries tuned on another template source (hash mismatch) are ignored with one
 warning; an unreadable or corrupt file gives one warning and the defaults.
 Each file is read once per process and each key resolved once: after the first
@@ -49,9 +52,15 @@ def _warn_once(key: tuple, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
+def _entry_key(e: dict) -> tuple:
+    """What identifies an entry in a file: family, variant, dtype, bucket and the GPU it was tuned on."""
+    return e["family"], e["variant"], e["dtype"], int(e["bucket"]), e.get("device")
+
+
 def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
-    """Entries of one cache file whose template hash is current; [] if absent or unreadable
-    (each with one warning unless ``warn`` is false)."""
+    """Entries of one cache file whose template hash is current, each with its ``device`` (the
+    file's GPU where the entry names none); [] if absent or unreadable (each with one warning
+    unless ``warn`` is false)."""
     if not path.exists():
         return []
     try:
@@ -59,6 +68,7 @@ def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
         if data.get("schema") != SCHEMA_VERSION:
             raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA_VERSION}")
         entries, hashes = data["entries"], data["template_hashes"]
+        file_gpu = (data.get("environment") or {}).get("gpu")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         if warn:
             _warn_once(("corrupt", str(path)), f"kernel_factory: ignoring tuning cache {path}: {exc}")
@@ -79,16 +89,18 @@ def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
                 f"template; its entries are ignored (re-tune with `nox -s tune -- --arch {arch}`)",
             )
             continue
-        fresh.append(entry)
+        fresh.append({"device": file_gpu, **entry})
     return fresh
 
 
-def prior_configs(path: Path) -> dict[tuple, dict]:
-    """Configs of every entry in the cache file at ``path`` by (family, variant, dtype, bucket),
-    whatever template version they were tuned on: starting points for a re-tune, never used
-    to launch. {} if the file is absent or unreadable."""
+def prior_configs(path: Path, device: str | None = None) -> dict[tuple, dict]:
+    """Configs of the entries in the cache file at ``path`` by (family, variant, dtype, bucket),
+    whatever template version they were tuned on, those tuned on ``device`` first: starting
+    points for a re-tune, never used to launch. {} if the file is absent or unreadable."""
     try:
-        entries = json.loads(Path(path).read_text(encoding="utf-8"))["entries"]
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        file_gpu = (data.get("environment") or {}).get("gpu")
+        entries = sorted(data["entries"], key=lambda e: e.get("device", file_gpu) == device)  # own GPU's last
         return {(e["family"], e["variant"], e["dtype"], int(e["bucket"])): dict(e["config"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
@@ -100,8 +112,16 @@ def load_entries(arch: str) -> tuple[dict, ...]:
     merged: dict[tuple, dict] = {}
     for path in (packaged_cache_path(arch), overlay_cache_path(arch)):
         for e in _read(path, arch):
-            merged[(e["family"], e["variant"], e["dtype"], int(e["bucket"]))] = e
+            merged[_entry_key(e)] = e
     return tuple(merged.values())
+
+
+@cache
+def current_device() -> str | None:
+    """The name of this process's CUDA GPU (the entries' ``device``), None without one."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def clear() -> None:
@@ -117,12 +137,15 @@ def select(
     variant: Mapping[str, object],
     dtype: str,
     numel: int,
+    device: str | None = None,
 ) -> Config:
-    """The config to launch ``family``'s ``variant`` with for ``numel`` elements of ``dtype`` on ``arch``."""
+    """The config to launch ``family``'s ``variant`` with for ``numel`` elements of ``dtype`` on ``arch``,
+    on the GPU named ``device`` (default: this process's; None on the CPU: any GPU's entries)."""
     family = get_family(family) if isinstance(family, str) else family
+    device = device if device is not None or arch == "cpu" else current_device()
     tkey = family.tuning_key(variant)
     bucket = size_bucket(numel)
-    key = (family.name, arch, tkey, dtype, bucket)
+    key = (family.name, arch, tkey, dtype, bucket, device)
     config = _selected.get(key)
     if config is not None:
         return config
@@ -131,6 +154,13 @@ def select(
         for e in load_entries(arch)
         if e["family"] == family.name and e["variant"] == tkey and e["dtype"] == dtype
     ]
+    own = [e for e in candidates if e["device"] == device]
+    if candidates and not own and device is not None:  # one warning for all families
+        tuned_on = sorted({str(e["device"]) for e in candidates})
+        _warn_once(("other gpu", arch, device),
+                   f"kernel_factory: some {arch} configs were tuned on {', '.join(tuned_on)}, not on this "
+                   f"{device}; using theirs (tune this GPU with `nox -s tune -- --arch {arch}`)")  # fmt: skip
+    candidates = own or sorted(candidates, key=lambda e: str(e["device"]))  # another GPU's: a fixed order
     config = None
     if candidates:
         best = min(candidates, key=lambda e: abs(math.log2(int(e["bucket"])) - math.log2(bucket)))
@@ -171,20 +201,20 @@ def environment() -> dict:
 
 
 def merge_entries(path: Path, arch: str, entries: list[dict]) -> None:
-    """Add or replace ``entries`` (keyed by family, variant, dtype, bucket) in the cache file at
-    ``path``, keeping its other current entries (stale or unreadable ones, and those keyed by a
-    variant the family's axes no longer have, are dropped, as a lookup would ignore them), and
-    refresh its header."""
-    key = lambda e: (e["family"], e["variant"], e["dtype"], int(e["bucket"]))  # noqa: E731
+    """Add or replace ``entries`` (keyed by family, variant, dtype, bucket and GPU: this one's
+    where an entry names none) in the cache file at ``path``, keeping its other current entries,
+    other GPUs' included (stale or unreadable ones, and those keyed by a variant the family's axes
+    no longer have, are dropped, as a lookup would ignore them), and refresh its header."""
+    env = environment()
     current = [e for e in _read(Path(path), arch, warn=False) if e["variant"] in get_family(e["family"]).tuning_keys()]
-    kept = {key(e): e for e in current}  # the tuner replaces them
-    kept.update({key(e): e for e in entries})
+    kept = {_entry_key(e): e for e in current}  # the tuner replaces this GPU's, keeps the others'
+    kept.update({_entry_key(e): e for e in ({"device": env["gpu"], **e} for e in entries)})
     data = {
         "schema": SCHEMA_VERSION,
         "arch": arch,
-        "environment": environment(),
+        "environment": env,  # the last tuning run's; each entry names its GPU
         "template_hashes": {f: template_hash(get_family(f)) for f in sorted({e["family"] for e in kept.values()})},
-        "entries": sorted(kept.values(), key=key),
+        "entries": sorted(kept.values(), key=lambda e: (*_entry_key(e)[:4], str(e["device"]))),
     }
     write_cache_file(path, data)
     clear()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .cache import merge_entries, prior_configs, size_bucket
+from .cache import current_device, merge_entries, prior_configs, size_bucket
 from .family import KernelFamily
 from .render import user_cache_dir
 
@@ -226,7 +226,7 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
         study_path.unlink()
     storage = f"sqlite:///{study_path}"
     output = output or user_cache_dir() / f"{arch}.json"
-    prior = prior_configs(output)
+    prior = prior_configs(output, current_device())  # this GPU's own entries first
     deadline = time.monotonic() + 60.0 * minutes
     bar = _bar(trials * len(tasks)) if show_progress else None
     results = []

@@ -132,3 +132,45 @@ def test_merge_keeps_current_entries_replaces_same_key_and_drops_stale(tmp_path)
     _write(path, [_entry(1 << 20, 256), dict(_entry(1 << 22, 512), variant="multi_tensor=True")])
     cache.merge_entries(path, "smtest", [_entry(1 << 24, 256)])
     assert [e["bucket"] for e in json.loads(path.read_text())["entries"]] == [1 << 20, 1 << 24]
+
+
+def _on(device, entry):
+    return dict(entry, device=device)
+
+
+def test_this_gpus_entries_first_then_another_gpus_with_one_warning(arch_files):
+    packaged, _ = arch_files
+    _write(packaged, [_on("GPU A", _entry(1 << 20, 256)), _on("GPU B", _entry(1 << 20, 512))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a GPU with its own entries: no warning
+        assert cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20, device="GPU A")["BLOCK"] == 256
+        assert cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20, device="GPU B")["BLOCK"] == 512
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20, device="GPU C")
+        cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 22, device="GPU C")
+    assert config["BLOCK"] == 256  # the same architecture's entries, in a fixed order (GPU A's first)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "GPU A, GPU B" in messages[0] and "GPU C" in messages[0]
+
+
+def test_an_entry_without_device_was_tuned_on_its_files_gpu(arch_files):
+    packaged, _ = arch_files
+    data = {"schema": cache.SCHEMA_VERSION, "template_hashes": {"adamw": template_hash(ADAMW)},
+            "environment": {"gpu": "GPU A"}, "entries": [_entry(1 << 20, 256)]}  # fmt: skip
+    cache.write_cache_file(packaged, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20, device="GPU A")["BLOCK"] == 256
+    with pytest.warns(RuntimeWarning, match="not on this GPU B"):
+        assert cache.select(ADAMW, "smtest", VARIANT, "float32", 1 << 20, device="GPU B")["BLOCK"] == 256
+
+
+def test_merge_keeps_other_gpus_entries(tmp_path, monkeypatch):
+    path = tmp_path / "smtest.json"
+    for gpu, block in (("GPU A", 256), ("GPU B", 512), ("GPU B", 1024)):
+        monkeypatch.setattr(cache, "environment", lambda gpu=gpu: {"gpu": gpu})
+        cache.merge_entries(path, "smtest", [_entry(1 << 20, block)])
+    data = json.loads(path.read_text())
+    assert {(e["device"], e["config"]["BLOCK"]) for e in data["entries"]} == {("GPU A", 256), ("GPU B", 1024)}
+    assert data["environment"] == {"gpu": "GPU B"}
