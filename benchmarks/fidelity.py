@@ -36,12 +36,14 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 def stream(shape: tuple[int, int], steps: int, spread: float, magnitude: float, device: str,
-           seed: int = 0) -> Iterator[torch.Tensor]:  # fmt: skip
-    """The synthetic gradients of the module docstring, fp32 ``shape``, one per step."""
+           seed: int = 0, trends: bool = True) -> Iterator[torch.Tensor]:  # fmt: skip
+    """The synthetic gradients of the module docstring, fp32 ``shape``, one per step (``trends``
+    false: every row stationary)."""
     gen = torch.Generator().manual_seed(seed)
     rows, cols = shape
     row_scale = 10 ** (torch.rand(rows, 1, generator=gen) * spread)
     trend = 1 + 9 * torch.rand(rows, 1, generator=gen)  # this row grows by 1-10x over the run
+    trend = trend if trends else torch.ones_like(trend)
     signal = 0.3 * torch.randn(shape, generator=gen)
     for t in range(steps):
         scale = magnitude * row_scale * trend ** (t / max(steps - 1, 1))

@@ -116,6 +116,18 @@ class Adafactor(torch.optim.Optimizer):
             state[f"{name}_codes"] = torch.zeros((rows, cols), dtype=torch.uint8, device=p.device)
             state[f"{name}_base"] = torch.zeros((rows, -(-cols // BLOCK)), dtype=torch.int16, device=p.device)
 
+    def decoded_state(self, p: Tensor) -> dict[str, Tensor]:
+        """``p``'s state as torch.optim.Adafactor keeps it: ``step`` and ``row_var`` / ``col_var``
+        (tensors of 2+ dims: shape[:-1] + (1,) and shape[:-2] + (1, shape[-1])) or ``variance``
+        (vectors), decoded from the codes where they are coded (copies either way)."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        state, coded = self.state[p], self._coded(p, group)
+        names = {"row_var": (*p.shape[:-1], 1), "col_var": (*p.shape[:-2], 1, p.shape[-1])} if p.dim() > 1 else \
+            {"variance": tuple(p.shape)}  # fmt: skip
+        out = {"step": state["step"].clone()}
+        out.update({name: self._read(state, name, shape, coded).clone() for name, shape in names.items()})
+        return out
+
     def _read(self, state: dict, name: str, shape: tuple[int, ...], coded: bool) -> Tensor:
         if not coded:
             return state[name]
