@@ -106,9 +106,7 @@ class Adafactor(torch.optim.Optimizer):
         if state:
             return
         state["step"] = torch.zeros((), dtype=torch.float32)
-        shapes = {"row_var": (*p.shape[:-1], 1), "col_var": (*p.shape[:-2], 1, p.shape[-1])} if p.dim() > 1 else \
-            {"variance": tuple(p.shape)}  # fmt: skip
-        for name, shape in shapes.items():
+        for name, shape in _statistics(p).items():
             if not self._coded(p, group):
                 state[name] = torch.zeros(shape, dtype=p.dtype, device=p.device)
                 continue
@@ -122,10 +120,8 @@ class Adafactor(torch.optim.Optimizer):
         (vectors), decoded from the codes where they are coded (copies either way)."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         state, coded = self.state[p], self._coded(p, group)
-        names = {"row_var": (*p.shape[:-1], 1), "col_var": (*p.shape[:-2], 1, p.shape[-1])} if p.dim() > 1 else \
-            {"variance": tuple(p.shape)}  # fmt: skip
         out = {"step": state["step"].clone()}
-        out.update({name: self._read(state, name, shape, coded).clone() for name, shape in names.items()})
+        out.update({name: self._read(state, name, shape, coded).clone() for name, shape in _statistics(p).items()})
         return out
 
     def _read(self, state: dict, name: str, shape: tuple[int, ...], coded: bool) -> Tensor:
@@ -179,8 +175,9 @@ class Adafactor(torch.optim.Optimizer):
         if group["weight_decay"] != 0:
             p.mul_(1 - lr * group["weight_decay"])
         if grad.dim() > 1:
-            row_var = self._read(state, "row_var", (*p.shape[:-1], 1), coded)
-            col_var = self._read(state, "col_var", (*p.shape[:-2], 1, p.shape[-1]), coded)
+            shapes = _statistics(p)
+            row_var = self._read(state, "row_var", shapes["row_var"], coded)
+            col_var = self._read(state, "col_var", shapes["col_var"], coded)
             row_var.lerp_(torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)),
                           one_minus_beta2)  # fmt: skip
             col_var.lerp_(torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)),
@@ -190,7 +187,7 @@ class Adafactor(torch.optim.Optimizer):
             self._write(state, "row_var", row_var, coded, seed, int(t))
             self._write(state, "col_var", col_var, coded, seed ^ 0x5BD1E995, int(t))
         else:
-            variance = self._read(state, "variance", tuple(p.shape), coded)
+            variance = self._read(state, "variance", _statistics(p)["variance"], coded)
             variance.lerp_(grad * grad, one_minus_beta2)
             estimate = variance.clone()
             self._write(state, "variance", variance, coded, seed, int(t))
@@ -199,6 +196,14 @@ class Adafactor(torch.optim.Optimizer):
         denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * group["d"]))
         p.add_(update, alpha=-alpha / denom)
         return update.abs().amax().float() * (alpha / denom)
+
+
+def _statistics(p: Tensor) -> dict[str, tuple[int, ...]]:
+    """The second-moment statistics torch.optim.Adafactor keeps for ``p``, with their shapes:
+    factored over the last two dims for 2+ dims, per element for a vector or scalar."""
+    if p.dim() > 1:
+        return {"row_var": (*p.shape[:-1], 1), "col_var": (*p.shape[:-2], 1, p.shape[-1])}
+    return {"variance": tuple(p.shape)}
 
 
 def _as_rows(shape: tuple[int, ...]) -> tuple[int, int]:
