@@ -113,14 +113,29 @@ def measure(subject: Subject, shape, steps: int, spread: float, magnitude: float
     return out
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    """The fidelity scripts' shared options: --steps, --rows, --cols, --device, --out."""
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--cols", type=int, default=512)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--subjects", default=None, help="comma-separated names (default: all available)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+
+
+def write_results(lines: list[str], argv: list[str] | None, script: str, path: Path) -> None:
+    """``lines`` and the command that made them (``script`` and its arguments; the output folder
+    is the runner's own, left out) to ``path``."""
+    given = list(argv or sys.argv[1:])
+    shown = [a for i, a in enumerate(given) if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")]
+    lines = [*lines, "", f"Command: python {script} {shlex.join(shown)}".strip()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(ap)
+    ap.add_argument("--subjects", default=None, help="comma-separated names (default: all available)")
     args = ap.parse_args(argv)
     available = subjects()
     names = args.subjects.split(",") if args.subjects else list(available)
@@ -136,12 +151,7 @@ def main(argv=None) -> None:
                     lines.append(f"| {name} | {spread} | {magnitude:g} | {t} | {cosine:.3f} | {ratio:.3f} | "
                                  f"{median:.3f} | {rms:.3f} |")  # fmt: skip
                 print(lines[-1], flush=True)
-    given = list(argv or sys.argv[1:])
-    # the output folder is the runner's own: left out of the recorded command
-    shown = [a for i, a in enumerate(given) if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")]
-    lines += ["", f"Command: python benchmarks/fidelity.py {shlex.join(shown)}".strip()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"fidelity_{args.device}.md").write_text("\n".join(lines) + "\n")
+    write_results(lines, argv, "benchmarks/fidelity.py", args.out / f"fidelity_{args.device}.md")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ the rms of |ln(stored / exact)|.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
-from benchmarks.fidelity import CHECKPOINTS, RESULTS, SPREADS, stream  # noqa: E402
+from benchmarks.fidelity import CHECKPOINTS, SPREADS, add_common_arguments, stream, write_results  # noqa: E402
 from kernel_factory.optimizers import Adafactor  # noqa: E402
 
 MAGNITUDES = (1e-2, 1e-7, 1e-15)
@@ -60,11 +59,7 @@ def measure(shape, steps: int, spread: float, magnitude: float, trends: bool, de
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--rows", type=int, default=128)
-    ap.add_argument("--cols", type=int, default=512)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_common_arguments(ap)
     args = ap.parse_args(argv)
     where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     lines = [f"Fidelity of 8-bit Adafactor statistics against fp32 ones: one {args.rows} x {args.cols} parameter, "
@@ -80,11 +75,7 @@ def main(argv=None) -> None:
                     lines.append(f"| {'1-10x trends' if trends else 'stationary'} | {spread} | {magnitude:g} | {t} | "
                                  f"{cells} |")  # fmt: skip
                 print(lines[-1], flush=True)
-    given = list(argv or sys.argv[1:])
-    shown = [a for i, a in enumerate(given) if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")]
-    lines += ["", f"Command: python benchmarks/fidelity_adafactor.py {shlex.join(shown)}".strip()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"fidelity_adafactor_{args.device}.md").write_text("\n".join(lines) + "\n")
+    write_results(lines, argv, "benchmarks/fidelity_adafactor.py", args.out / f"fidelity_adafactor_{args.device}.md")
 
 
 if __name__ == "__main__":
