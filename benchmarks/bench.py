@@ -8,7 +8,8 @@
 Floor = bytes a step must move / copy bandwidth measured in the same run (4 GiB copy). Bytes
 per parameter = 2 x param bytes (read, write) + grad bytes + 2 x state bytes per parameter
 (read, write), with the state counted from the optimizer's state tensors after one step:
-AdamW fp32 gives 28 B, bf16 params with bf16 state 14 B. Times are do_bench medians with L2
+AdamW fp32 gives 28 B, bf16 params with bf16 state 14 B; Adafactor's three passes read g twice
+more and p once more (fp32: 24 B). Times are do_bench medians with L2
 flushed before each call: `eager` is `opt.step()` as called (on small workloads it includes
 the host's time to issue the step), `graph` the replay of a CUDA graph of one step (device
 time; for the optimizers that can be captured: ours, and torch's built with capturable=True).
@@ -89,7 +90,8 @@ def measure(spec, shapes_name, dtype, rep_ms) -> dict:
     del opt, named
     torch.cuda.empty_cache()
     return dict(optimizer=spec.name, numel=numel, state_bytes_per_param=state,
-                bytes_per_param=3 * dtype.itemsize + 2 * state, eager_ms=eager, graph_ms=graph)  # fmt: skip
+                bytes_per_param=(3 + spec.extra_reads) * dtype.itemsize + 2 * state, eager_ms=eager,
+                graph_ms=graph)  # fmt: skip
 
 
 def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, list[dict]]:

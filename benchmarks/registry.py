@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernel_factory.optimizers import AdamMini, AdamW, Muon, TurboAdam
+from kernel_factory.optimizers import Adafactor, AdamMini, AdamW, Muon, TurboAdam
 
 BETAS = (0.9, 0.95)
 NamedParams = list[tuple[str, Tensor]]
@@ -36,6 +36,9 @@ class OptimizerSpec:
     module: str | None = None  # the package a peer needs
     cuda_only: bool = False
     capturable: bool = False  # a step can be captured in a CUDA graph
+    # param-sized reads a step needs beyond one pass over p, g and the state (the floor's bytes):
+    # Adafactor's three passes read g twice more and p once more
+    extra_reads: int = 0
 
     def missing(self, device: str) -> str | None:
         """Why this optimizer cannot run here, or None."""
@@ -138,6 +141,13 @@ def _flashoptim(named, shape, lr, wd):
     return flashoptim.FlashAdamW(params, lr=lr, betas=BETAS, weight_decay=wd, master_weight_bits=bits)
 
 
+def _adafactor8bit(named, shape, lr, wd):
+    import adafactor8bit
+
+    # relative_step=False: torch's step size min(lr, 1/sqrt(t)) RMS(p), without its host syncs
+    return adafactor8bit.Adafactor8Bit(_tensors(named), lr=lr, weight_decay=wd, relative_step=False)
+
+
 def _bnb(named, shape, lr, wd):
     import bitsandbytes as bnb
 
@@ -170,7 +180,14 @@ REGISTRY: dict[str, OptimizerSpec] = {
         OptimizerSpec("torch_muon", _muon),
         OptimizerSpec("kernel_factory_muon", _ours_muon),
         OptimizerSpec("torch_adafactor",
-                      lambda n, s, lr, wd: torch.optim.Adafactor(_tensors(n), lr=lr, weight_decay=wd)),
+                      lambda n, s, lr, wd: torch.optim.Adafactor(_tensors(n), lr=lr, weight_decay=wd), extra_reads=3),
+        OptimizerSpec("kernel_factory_adafactor",
+                      lambda n, s, lr, wd: Adafactor(_tensors(n), lr=lr, weight_decay=wd), capturable=True,
+                      extra_reads=3),
+        OptimizerSpec("kernel_factory_adafactor_fp32_stats",
+                      lambda n, s, lr, wd: Adafactor(_tensors(n), lr=lr, weight_decay=wd, state_bits=32),
+                      capturable=True, extra_reads=3),
+        OptimizerSpec("adafactor8bit", _adafactor8bit, module="adafactor8bit", cuda_only=True, extra_reads=3),
     )
 }  # fmt: skip
 OURS = "kernel_factory_adamw"

@@ -4,11 +4,12 @@ selection and timing helpers. It knows nothing about optimizers."""
 from .arch import detect_arch
 from .backend import backend_mode, interpreter_enabled, triton_available
 from .cache import select, size_bucket
-from .families import ADAM_MINI, ADAMW, FAMILIES, MUON, NEWTON_SCHULZ, TURBO_ADAM, get_family
+from .families import ADAFACTOR, ADAM_MINI, ADAMW, FAMILIES, MUON, NEWTON_SCHULZ, TURBO_ADAM, get_family
 from .family import Config, KernelFamily, Tunable
 from .render import load, render, template_hash, user_cache_dir
 
 __all__ = [
+    "ADAFACTOR",
     "ADAM_MINI",
     "ADAMW",
     "FAMILIES",

@@ -200,7 +200,39 @@ TURBO_ADAM = KernelFamily(
     is_legal=_turbo_adam_is_legal,
 )
 
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON, TURBO_ADAM)}
+def _adafactor_is_legal(c: Mapping[str, int]) -> bool:
+    # A tile is ROWS x COLS elements of a factored tensor, or ROWS x COLS / 128 code blocks of an
+    # elementwise one; each thread holds 4 to 32 elements of p, g and u.
+    per_thread = c["ROWS"] * c["COLS"] // (32 * c["num_warps"])
+    return 4 <= per_thread <= 32
+
+
+ADAFACTOR = KernelFamily(
+    name="adafactor",
+    template="adafactor.py.j2",
+    description="fused Adafactor step: factored row/column statistics (8-bit ln codes or fp32), three passes",
+    axes={
+        "multi_tensor": (True, False),  # the single-tensor variant serves the interpreter
+        "param_dtype": _FLOAT_DTYPES,
+        "state_codec": ("log8", "fp32"),  # 8-bit ln codes (state_bits=8) or the param dtype's values
+        "grad_scaling": (False, True),  # in-kernel unscale and skip-on-inf
+    },
+    tuning_axes=("multi_tensor", "state_codec"),
+    tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list
+    # Default: tiles of 8 rows x 256 columns with 4 warps (16 elements a thread), stats bands of
+    # 128 rows (one code block); the tuned configs are in sm90.json.
+    tunables=(
+        Tunable("ROWS", 8, (1, 2, 4, 8, 16, 32)),
+        Tunable("COLS", 256, (128, 256, 512, 1024)),
+        Tunable("num_warps", 4, (1, 2, 4, 8)),
+        Tunable("BAND", 128, (128, 256, 512, 1024)),
+    ),
+    is_legal=_adafactor_is_legal,
+)
+
+FAMILIES: dict[str, KernelFamily] = {
+    f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON, TURBO_ADAM, ADAFACTOR)
+}
 
 
 def get_family(name: str) -> KernelFamily:

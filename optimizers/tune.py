@@ -18,6 +18,7 @@ from kernel_factory.generator import detect_arch
 from kernel_factory.generator.timing import copy_bandwidth_tbs, restoring_timer
 from kernel_factory.generator.tuner import report, tune
 
+from .adafactor.tune import adafactor_tasks
 from .adam_mini.tune import adam_mini_tasks
 from .adamw.tune import adamw_tasks
 from .muon.newton_schulz_tune import newton_schulz_tasks
@@ -25,7 +26,7 @@ from .muon.tune import muon_tasks
 from .turbo_adam.tune import turbo_adam_tasks
 
 FAMILY_TASKS = {"adamw": adamw_tasks, "adam_mini": adam_mini_tasks, "newton_schulz": newton_schulz_tasks,
-                "muon": muon_tasks, "turbo_adam": turbo_adam_tasks}
+                "muon": muon_tasks, "turbo_adam": turbo_adam_tasks, "adafactor": adafactor_tasks}
 
 
 def main(argv=None) -> int:

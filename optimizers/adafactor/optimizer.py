@@ -9,8 +9,10 @@ min(lr, 1/sqrt(t)) * max(eps2, RMS(p)); beta2_t = 1 - t^beta2_decay; for a tenso
 EMAs of g²'s means over its last dim (rows) and over its second-last dim (columns), whose product
 over the rows' mean (clamped at eps1) estimates E[g²]; a vector keeps E[g²] per element; the
 update g / sqrt(max(estimate, eps1²)) is divided by max(1, RMS(update) / d); decoupled weight decay
-p *= 1 - lr * weight_decay. Here it runs in PyTorch ops, one parameter at a time (the fused
-kernels are still to come); with ``state_bits=32`` the ops and their order are torch's.
+p *= 1 - lr * weight_decay. On CUDA it runs as three fused multi-tensor launches per param group
+(plan.py, kernel_templates/adafactor.py.j2: fp32 arithmetic, the parameter rounded once); on the
+CPU in PyTorch ops, one parameter at a time, where with ``state_bits=32`` the ops and their order
+are torch's.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from kernel_factory.generator import backend_mode
+
 from ..shared import log_codes
 from ..shared.checks import check_param_grad, start_step
 from ..shared.state_dict import own_loaded_state
-from ..shared.telemetry import AMAX_UPDATE, Telemetry
+from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
+from .plan import AdafactorGroupPlan
 
 STATE_BITS = (8, 32)
 CODE_BITS, CODE_STEP = 8, 1 / 16  # 255 codes a block span 16 octaves, steps of 4.4%
@@ -46,7 +51,15 @@ class Adafactor(torch.optim.Optimizer):
     State per parameter: ``step`` (0-d fp32); ``row_var`` (shape[:-1] + (1,)) and ``col_var``
     (shape[:-2] + (1, shape[-1])) or ``variance`` (vectors), as torch keeps them; coded, each is
     ``<name>_codes`` (uint8, (leading dims, values)) and ``<name>_base`` (int16, per block).
+
+    Matrices, vectors and scalars on CUDA take the fused kernels (plan.py: three launches per
+    param group, device and dtype, no host sync, CUDA-graph capturable); tensors of 3+ dims,
+    DTensors and the CPU take PyTorch ops. ``GradScaler`` hands the step ``grad_scale`` /
+    ``found_inf``: grads are unscaled, and a step with an inf is skipped.
     """
+
+    _step_supports_amp_scaling = True
+    backend: str | None = None  # None: KERNEL_FACTORY_BACKEND decides; subclasses may pin it
 
     def __init__(
         self,
@@ -81,8 +94,9 @@ class Adafactor(torch.optim.Optimizer):
         self.seed = rounding_seed
         defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
                         maximize=maximize, state_bits=state_bits)  # fmt: skip
+        self._plans: dict[int, AdafactorGroupPlan] = {}
         super().__init__(params, defaults)
-        self.telemetry = Telemetry(AMAX_UPDATE)  # steps, and the last step's largest |update|
+        self.telemetry = Telemetry({**AMAX_UPDATE, SKIPPED_STEPS: TOTAL})  # the last step's largest |update|, skips
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -96,6 +110,7 @@ class Adafactor(torch.optim.Optimizer):
         codes and int16 bases to the parameter's dtype)."""
         super().load_state_dict(state_dict)
         own_loaded_state(self, state_dict, lambda p, key, saved: True)
+        self._plans = {}  # they hold the replaced state tensors
 
     @staticmethod
     def _coded(p: Tensor, group: dict) -> bool:
@@ -144,28 +159,64 @@ class Adafactor(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):
         """One Adafactor update of every parameter with a grad. Returns ``closure()``'s loss."""
         loss = start_step(self, closure)
-        with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
-            for gi, group in enumerate(self.param_groups):
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        plans = [self._group_plan(index, group) for index, group in enumerate(self.param_groups)]
+        # Only the PyTorch path reads found_inf on the host (one sync); the kernels read it on the device.
+        skip = found_inf is not None and any(plan.reference for plan, _ in plans) and bool(found_inf.item())
+        with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
+            for gi, (group, (plan, params)) in enumerate(zip(self.param_groups, plans, strict=True)):
+                for launch in plan.launches:
+                    launch.run(group, grad_scale, found_inf)
+                if plan.launches:
+                    telemetry.watch("amax_update", plan.update_amax)
+                if skip:
+                    continue
                 lr = float(group["lr"])
                 eps1, eps2 = group["eps"]
-                for i, p in enumerate(group["params"]):
-                    if p.grad is None:
-                        continue
-                    if p.is_complex():
-                        raise RuntimeError(f"Adafactor does not support complex parameters (parameter {i}, "
-                                           f"shape {tuple(p.shape)})")  # fmt: skip
+                position = {id(p): i for i, p in enumerate(group["params"])}
+                for i in plan.reference:
+                    p = params[i]
                     check_param_grad(i, p, p.grad)
-                    self._init_state(p, group)
-                    seed = (self.seed * 1_000_003 + gi * 65_537 + i) & 0xFFFFFFFF
-                    telemetry.add("amax_update", self._step_one(p, group, lr, eps1, eps2, seed))
+                    grad = p.grad if grad_scale is None else p.grad / grad_scale.to(p.grad.device)
+                    grad = -grad if group["maximize"] else grad
+                    seed = self._param_seed(gi, position[id(p)])
+                    telemetry.add("amax_update", self._step_one(p, grad, group, lr, eps1, eps2, seed))
         return loss
 
-    def _step_one(self, p: Tensor, group: dict, lr: float, eps1: float | None, eps2: float, seed: int) -> Tensor:
-        """torch.optim.Adafactor's step of one parameter, its statistics decoded and re-coded around it;
-        returns the largest |update| it applied (0-d fp32; weight decay left out)."""
+    def _group_plan(self, index: int, group: dict) -> tuple[AdafactorGroupPlan, list[Tensor]]:
+        """The cached plan of param group ``index`` and the params with grads it was built for
+        (checked and given state when it is built; the fused path re-checks a grad when its
+        address changes, the PyTorch path every step)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        key = (tuple(map(id, params)), group["state_bits"])
+        plan = self._plans.get(index)
+        if plan is None or plan.key != key:
+            for i, p in enumerate(params):
+                if p.is_complex():
+                    raise RuntimeError(f"Adafactor does not support complex parameters (parameter {i}, "
+                                       f"shape {tuple(p.shape)})")  # fmt: skip
+                check_param_grad(i, p, p.grad)
+                self._init_state(p, group)
+            position = {id(p): i for i, p in enumerate(group["params"])}
+            plan = self._plans[index] = AdafactorGroupPlan(
+                key, params, [self.state[p] for p in params], [self._coded(p, group) for p in params],
+                [self._param_seed(index, position[id(p)]) for p in params], self.backend or backend_mode())
+        return plan, params
+
+    def _param_seed(self, group: int, index: int) -> int:
+        """The random stream of parameter ``index`` of group ``group``: the same on every rank."""
+        return (self.seed * 1_000_003 + group * 65_537 + index) & 0xFFFFFFFF
+
+    def _step_one(self, p: Tensor, grad: Tensor, group: dict, lr: float, eps1: float | None, eps2: float,
+                  seed: int) -> Tensor:  # fmt: skip
+        """torch.optim.Adafactor's step of one parameter (``grad`` unscaled, negated under
+        ``maximize``), its statistics decoded and re-coded around it; returns the largest |update|
+        it applied (0-d fp32; weight decay left out)."""
         state = self.state[p]
-        grad = -p.grad if group["maximize"] else p.grad
         coded = self._coded(p, group)
+        if coded:  # decoded statistics are fp32: so is the arithmetic around them
+            grad = grad.float()
         eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
         state["step"] += 1
         t = state["step"].item()
@@ -210,3 +261,10 @@ def _as_rows(shape: tuple[int, ...]) -> tuple[int, int]:
     """A statistic's shape as (rows, values): its leading dims, then all its values in a row."""
     values = math.prod(s for s in shape[-2:] if s != 1) if len(shape) >= 2 else math.prod(shape)
     return max(1, math.prod(shape) // max(values, 1)), values
+
+
+class ReferenceAdafactor(Adafactor):
+    """Adafactor on its PyTorch path whatever KERNEL_FACTORY_BACKEND says: the oracle of the fused
+    kernels' parity cells."""
+
+    backend = "torch"
