@@ -27,13 +27,15 @@ CODE_BLOCK = 128  # values per int16 base of the 8-bit statistics (optimizer.BLO
 # bytes of a row a thread (16 fp32 or 32 bf16 rows), as TurboAdam's stats launch
 STATS_COLS, STATS_WARPS, STATS_ROW_BYTES = 256, 4, 64
 STATS_BAND_TILE = 8  # bands the last band of a stripe adds per load (the template's NBT)
+ELEMENTWISE_BLOCKS = 4  # code blocks (of 128 values) an elementwise sub-tile holds
 MAX_BANDS = 64  # a tall matrix takes longer bands rather than give the column sums more to add
 
 
 def fused(p: Tensor) -> bool:
-    """Whether the kernels take ``p``: a matrix, a vector or a scalar with elements (a tensor of 3+
-    dims, factored over its last two, takes the PyTorch path)."""
-    return p.dim() <= 2 and p.numel() > 0
+    """Whether the kernels take ``p``: a matrix, a vector or a scalar with elements, on a 16-byte
+    boundary (the kernels' vector accesses; a tensor of 3+ dims, factored over its last two, takes
+    the PyTorch path)."""
+    return p.dim() <= 2 and p.numel() > 0 and p.data_ptr() % 16 == 0
 
 
 class AdafactorLaunch:
@@ -108,6 +110,8 @@ class AdafactorLaunch:
             self._work_of = [work[work[:, 0] == t].contiguous() for t in range(n)]
             self._stats_of = {t: s.to(torch.int32).contiguous() for t, s in stats_of.items()}
         self.int64 = any(p.numel() >= 2**31 for p in self.params)
+        # rows start 16 elements apart: the compiler may load them in vectors
+        self.aligned = all(p.shape[-1] % 16 == 0 for p in self.params if p.dim() == 2)
         self.meta = meta.to(dev)
         self.workspace = torch.empty(max(ws_off, 1), dtype=torch.float32, device=dev)
         self.scal = torch.zeros((n, 4), dtype=torch.float32, device=dev)  # max(mean row, eps1), coef, -, amax
@@ -159,9 +163,11 @@ class AdafactorLaunch:
         tail = (gs, fi, sign, float(group["beta2_decay"]), eps1 * eps1, float(eps2), float(group["d"]),
                 float(group["weight_decay"]))  # fmt: skip
         stats_tail = (gs, fi, float(group["beta2_decay"]), eps1)
-        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, INT64=self.int64,
-                         num_warps=STATS_WARPS)  # fmt: skip
-        tile_cfg = dict(BR=cfg["ROWS"], BC=cfg["COLS"], INT64=self.int64, num_warps=cfg["num_warps"])
+        flags = dict(ALIGNED=self.aligned, INT64=self.int64)
+        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS, **flags)
+        # an elementwise tile is stepped EB code blocks at a time (few registers for a rare path)
+        eb = min(ELEMENTWISE_BLOCKS, cfg["ROWS"] * cfg["COLS"] // CODE_BLOCK)
+        tile_cfg = dict(BR=cfg["ROWS"], BC=cfg["COLS"], EB=eb, num_warps=cfg["num_warps"], **flags)
         if self.multi_tensor:
             g_t = self._grads.update(self.sources, self.grads)
             p_t, row_t, rowb_t, col_t, colb_t = self._tables
