@@ -219,15 +219,18 @@ ADAFACTOR = KernelFamily(
     },
     tuning_axes=("multi_tensor", "state_codec"),
     tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list
-    # Default: tiles of 8 rows x 256 columns with 4 warps (16 elements a thread), stats bands of
-    # 128 rows (one code block); the tuned configs are in sm90.json.
+    # Default: tiles of 16 rows x 256 columns with 4 warps (32 elements a thread), stats bands of
+    # 256 rows: the best of eight configs timed on the H100 for bf16 params and within 2% of the
+    # best for fp32 (134M list: fp32 1.11 ms, bf16 0.64 ms); the tuned configs are in sm90.json.
     tunables=(
-        Tunable("ROWS", 8, (1, 2, 4, 8, 16, 32)),
+        Tunable("ROWS", 16, (1, 2, 4, 8, 16, 32)),
         Tunable("COLS", 256, (128, 256, 512, 1024)),
         Tunable("num_warps", 4, (1, 2, 4, 8)),
-        Tunable("BAND", 128, (128, 256, 512, 1024)),
+        Tunable("BAND", 256, (128, 256, 512, 1024)),
     ),
     is_legal=_adafactor_is_legal,
+    # 8 x 256 tiles with 2 warps: the fastest of the eight for fp32 params on the H100 (1.10 ms)
+    seed_configs=({"ROWS": 8, "COLS": 256, "num_warps": 2, "BAND": 128},),
 )
 
 FAMILIES: dict[str, KernelFamily] = {
