@@ -20,7 +20,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # params' change for fp32 params (sums in another order, the GPU's approximate rsqrt: a few ulps),
 # on the params for bf16 / fp16 ones (one rounding of the param: 2^-8, 2^-11 relative at most).
 TOL = {torch.float32: 1e-4, torch.bfloat16: 4e-3, torch.float16: 5e-4}
-CODE_FLIPS = 1e-3  # fraction of code bytes allowed to differ from the PyTorch path's
+CODE_FLIPS = 1e-3  # fraction of all code bytes allowed to differ from the PyTorch path's
 
 
 class AdafactorTuningTask(InPlaceTask):
@@ -66,7 +66,7 @@ class AdafactorTuningTask(InPlaceTask):
 
     def check(self) -> float:
         """Worst normwise relative error of the params' change after one launch against the
-        PyTorch path (inf if more than CODE_FLIPS of any code tensor differs), on fresh grads."""
+        PyTorch path (inf if more than CODE_FLIPS of all codes differ), on fresh grads."""
         self.restore()
         for p in self.params:
             p.grad.normal_()
@@ -80,7 +80,7 @@ class AdafactorTuningTask(InPlaceTask):
         ref.step()
         self.run()
         self._sync()
-        error = 0.0
+        error, flips, codes = 0.0, 0, 0
         for p, q, p0 in zip(self.params, copies, before, strict=True):
             if p.dtype == torch.float32:
                 row = compare_tensors("p", "check", p - p0, q - p0, self.tol)
@@ -88,10 +88,12 @@ class AdafactorTuningTask(InPlaceTask):
                 row = compare_tensors("p", "check", p.float(), q.detach(), self.tol)
             error = max(error, row.rel)
             for key, t in self.opt.state[p].items():
-                if t.dtype == torch.uint8 and float((t != ref.state[q][key]).float().mean()) > CODE_FLIPS:
-                    error = float("inf")
+                if t.dtype == torch.uint8:
+                    flips += int((t != ref.state[q][key]).sum())
+                    codes += t.numel()
         self.restore()
-        return error
+        # over all codes: one flip in a statistic of 768 values is expected now and then
+        return float("inf") if flips > CODE_FLIPS * codes else error
 
     def _sync(self) -> None:
         if self.params[0].is_cuda:
