@@ -119,3 +119,22 @@ def test_fidelity_benchmark_holds_the_statistics_at_g_squared_near_1e_30():
         (16, 256), 250, 2, 1e-15, True, "cpu")[250]  # fmt: skip
     assert cosine >= 0.99 and abs(ratio - 1) <= 0.02
     assert abs(row_median - 1) <= 0.05 and abs(col_median - 1) <= 0.05 and max(row_rms, col_rms) <= 0.15
+
+
+def test_a_bf16_first_moment_round_trips_and_its_arguments_are_checked(tmp_path):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    opt = Adafactor([p], lr=1e-2, beta1=0.9)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    m = opt.state[p]["exp_avg"]
+    assert m.dtype == torch.bfloat16 and m.shape == p.shape and bool(m.abs().sum() > 0)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    other = Adafactor([p], lr=1e-2, beta1=0.9)
+    other.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert other.state[p]["exp_avg"].dtype == torch.bfloat16 and torch.equal(other.state[p]["exp_avg"], m)
+    with pytest.raises(ValueError, match="beta1"):
+        Adafactor([p], beta1=1.0)
+    with pytest.raises(ValueError, match="momentum_dtype"):
+        Adafactor([p], beta1=0.9, momentum_dtype="fp16")

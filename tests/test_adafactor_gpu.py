@@ -53,6 +53,17 @@ def test_fp32_kernels_follow_the_pytorch_path(state_bits):
     assert ours.telemetry.summary()["amax_update"] == pytest.approx(ref.telemetry.summary()["amax_update"], rel=1e-3)
 
 
+def test_a_bf16_first_moment_follows_the_pytorch_path():
+    ours, ref, a, b, init = _pair(SHAPES, torch.float32, beta1=0.9)
+    (plan,) = ours._plans.values()
+    assert plan.launches[0].variant["momentum"] == "bfloat16"
+    for i, (p, q, p0) in enumerate(zip(a, b, init, strict=True)):
+        row = compare_tensors(f"p{i}", "update", (p - p0).detach(), (q - p0).detach(), UPDATE_TOL)
+        assert row.passed, row
+        m, r = ours.state[p]["exp_avg"], ref.state[q]["exp_avg"]
+        assert m.dtype == torch.bfloat16 and compare_tensors(f"p{i}", "exp_avg", m.float(), r.float(), 1e-2).passed
+
+
 def test_bf16_params_are_the_fp32_arithmetic_rounded_once():
     """One step: each bf16 param within half a bf16 ulp (2^-8 of its value at most: 8 significant
     bits) of the PyTorch path's fp32 result on the same values, plus the fp32 tolerance of the update."""

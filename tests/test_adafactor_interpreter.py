@@ -73,6 +73,15 @@ def test_kernels_follow_the_pytorch_path(monkeypatch, state_bits):
     assert s_ours["amax_update"] == pytest.approx(s_ref["amax_update"], rel=1e-5) and s_ours["amax_update"] > 0
 
 
+@pytest.mark.parametrize("state_bits", [8, 32])
+def test_a_first_moment_follows_the_pytorch_path(monkeypatch, state_bits):
+    # fp32 momentum: the interpreter's bf16 stores truncate (the GPU tier takes bf16)
+    ours, ref, a, b, init = _pair(monkeypatch, SHAPES, state_bits=state_bits, beta1=0.9, momentum_dtype="fp32")
+    assert ours._plans[0].launches[0].variant["momentum"] == "float32"
+    _assert_close(ours, ref, a, b, init)
+    assert ours.state[a[0]]["exp_avg"].dtype == torch.float32
+
+
 def test_maximize_eps_and_clipping_threshold(monkeypatch):
     # d = 1.2 clips RMS(u) (about 1 by construction) on some steps only; eps1 = 1e-6 floors rows of 1e-3
     ours, ref, a, b, init = _pair(monkeypatch, SHAPES[:3], maximize=True, eps=(1e-6, 1e-2), d=1.2,

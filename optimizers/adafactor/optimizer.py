@@ -26,12 +26,14 @@ from torch import Tensor
 from kernel_factory.generator import backend_mode
 
 from ..shared import log_codes
+from ..shared.buckets import TRITON_DTYPES
 from ..shared.checks import check_param_grad, start_step
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from .plan import AdafactorGroupPlan
 
 STATE_BITS = (8, 32)
+MOMENTUM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CODE_BITS, CODE_STEP = 8, 1 / 16  # 255 codes a block span 16 octaves, steps of 4.4%
 BLOCK = 128  # statistics per block of a row: one int16 base each
 MIN_CODED_VECTOR = 4096  # a vector's per-element variance is coded from this many elements on
@@ -47,10 +49,15 @@ class Adafactor(torch.optim.Optimizer):
             ``variance`` of vectors of 4096+ elements, as 8-bit ln codes (uint8, one per value) with
             an int16 base per 128 values; 32 keeps torch's fp32 tensors.
         rounding_seed: the stochastic rounding's random stream.
+        beta1: None (default, torch's Adafactor) or a first moment's decay in [0, 1): ``exp_avg`` =
+            beta1 exp_avg + (1 - beta1) x this step's clipped, scaled update, by which p then moves
+            (Shazeer & Stern 2018, as Hugging Face's Adafactor applies it).
+        momentum_dtype: the first moment's storage, ``"bf16"`` (default) or ``"fp32"``.
 
     State per parameter: ``step`` (0-d fp32); ``row_var`` (shape[:-1] + (1,)) and ``col_var``
     (shape[:-2] + (1, shape[-1])) or ``variance`` (vectors), as torch keeps them; coded, each is
-    ``<name>_codes`` (uint8, (leading dims, values)) and ``<name>_base`` (int16, per block).
+    ``<name>_codes`` (uint8, (leading dims, values)) and ``<name>_base`` (int16, per block); with
+    ``beta1``, ``exp_avg`` (the parameter's shape).
 
     Matrices, vectors and scalars on CUDA take the fused kernels (plan.py: three launches per
     param group, device and dtype, no host sync, CUDA-graph capturable); tensors of 3+ dims,
@@ -74,6 +81,8 @@ class Adafactor(torch.optim.Optimizer):
         maximize: bool = False,
         state_bits: int = 8,
         rounding_seed: int = 0,
+        beta1: float | None = None,
+        momentum_dtype: str = "bf16",
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -91,9 +100,15 @@ class Adafactor(torch.optim.Optimizer):
             raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")
         if state_bits not in STATE_BITS:
             raise ValueError(f"state_bits must be one of {STATE_BITS}, got {state_bits!r}")
+        if beta1 is not None and (isinstance(beta1, bool) or not isinstance(beta1, int | float)
+                                  or not 0.0 <= beta1 < 1.0):  # fmt: skip
+            raise ValueError(f"beta1 must be None or a float in [0, 1), got {beta1!r}")
+        if momentum_dtype not in MOMENTUM_DTYPES:
+            raise ValueError(f"momentum_dtype must be one of {sorted(MOMENTUM_DTYPES)}, got {momentum_dtype!r}")
         self.seed = rounding_seed
         defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
-                        maximize=maximize, state_bits=state_bits)  # fmt: skip
+                        maximize=maximize, state_bits=state_bits, beta1=beta1,
+                        momentum_dtype=momentum_dtype)  # fmt: skip
         self._plans: dict[int, AdafactorGroupPlan] = {}
         super().__init__(params, defaults)
         self.telemetry = Telemetry({**AMAX_UPDATE, SKIPPED_STEPS: TOTAL})  # the last step's largest |update|, skips
@@ -110,6 +125,9 @@ class Adafactor(torch.optim.Optimizer):
         codes and int16 bases to the parameter's dtype)."""
         super().load_state_dict(state_dict)
         own_loaded_state(self, state_dict, lambda p, key, saved: True)
+        for group in self.param_groups:  # torch's Adafactor's groups lack our options
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         self._plans = {}  # they hold the replaced state tensors
 
     @staticmethod
@@ -121,6 +139,8 @@ class Adafactor(torch.optim.Optimizer):
         if state:
             return
         state["step"] = torch.zeros((), dtype=torch.float32)
+        if group["beta1"] is not None:
+            state["exp_avg"] = torch.zeros_like(p, dtype=MOMENTUM_DTYPES[group["momentum_dtype"]])
         for name, shape in _statistics(p).items():
             if not self._coded(p, group):
                 state[name] = torch.zeros(shape, dtype=p.dtype, device=p.device)
@@ -189,7 +209,7 @@ class Adafactor(torch.optim.Optimizer):
         (checked and given state when it is built; the fused path re-checks a grad when its
         address changes, the PyTorch path every step)."""
         params = [p for p in group["params"] if p.grad is not None]
-        key = (tuple(map(id, params)), group["state_bits"])
+        key = (tuple(map(id, params)), group["state_bits"], group["beta1"] is None, group["momentum_dtype"])
         plan = self._plans.get(index)
         if plan is None or plan.key != key:
             for i, p in enumerate(params):
@@ -201,7 +221,8 @@ class Adafactor(torch.optim.Optimizer):
             position = {id(p): i for i, p in enumerate(group["params"])}
             plan = self._plans[index] = AdafactorGroupPlan(
                 key, params, [self.state[p] for p in params], [self._coded(p, group) for p in params],
-                [self._param_seed(index, position[id(p)]) for p in params], self.backend or backend_mode())
+                [self._param_seed(index, position[id(p)]) for p in params], self.backend or backend_mode(),
+                "none" if group["beta1"] is None else TRITON_DTYPES[MOMENTUM_DTYPES[group["momentum_dtype"]]])
         return plan, params
 
     def _param_seed(self, group: int, index: int) -> int:
@@ -245,7 +266,13 @@ class Adafactor(torch.optim.Optimizer):
         update = estimate.clamp_(min=eps1 * eps1).rsqrt_()
         update.mul_(grad)
         denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * group["d"]))
-        p.add_(update, alpha=-alpha / denom)
+        if group["beta1"] is None:
+            p.add_(update, alpha=-alpha / denom)
+        else:  # the kernels' order: m = beta1 m + (1 - beta1) (coef u) in fp32, p -= m, m stored rounded
+            m = state["exp_avg"]
+            m32 = m.float().mul_(group["beta1"]).add_(update.float() * (alpha / denom), alpha=1 - group["beta1"])
+            m.copy_(m32)
+            p.sub_(m32)
         return update.abs().amax().float() * (alpha / denom)
 
 

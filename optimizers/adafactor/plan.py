@@ -41,10 +41,11 @@ def fused(p: Tensor) -> bool:
 class AdafactorLaunch:
     """The fused step of ``params`` (one device and dtype). ``coded``: per param, whether its
     statistics are 8-bit codes (then the launch renders the ``log8`` variant); ``seeds``: each
-    param's random stream (the rounding of its codes)."""
+    param's random stream (the rounding of its codes); ``momentum``: the first moment's storage
+    dtype (Triton's name, in each state's ``exp_avg``), or ``"none"``."""
 
     def __init__(self, params: list[Tensor], states: list[dict], coded: list[bool], seeds: list[int],
-                 multi_tensor: bool = True) -> None:  # fmt: skip
+                 multi_tensor: bool = True, momentum: str = "none") -> None:  # fmt: skip
         self.sources = list(params)
         self.params = [p.detach() for p in params]
         self.states = list(states)
@@ -57,7 +58,7 @@ class AdafactorLaunch:
         self._dummy = torch.zeros(16, dtype=torch.float32, device=dev)
         self._one, self._zero = torch.ones((), device=dev), torch.zeros((), device=dev)
         self.variant = dict(multi_tensor=multi_tensor, param_dtype=TRITON_DTYPES[self.params[0].dtype],
-                            state_codec="log8" if any(coded) else "fp32")  # fmt: skip
+                            state_codec="log8" if any(coded) else "fp32", momentum=momentum)  # fmt: skip
         arch = "cpu" if dev.type == "cpu" else detect_arch(dev)
         total = sum(p.numel() for p in self.params)
         self.config = dict(select(ADAFACTOR, arch, ADAFACTOR.variant(**self.variant, grad_scaling=False),
@@ -126,14 +127,15 @@ class AdafactorLaunch:
 
     def _state_pointers(self) -> list[list[Tensor]]:
         """Per tensor, the tensors behind p, row (row_var, or an elementwise tensor's variance: codes
-        or values), row base, col, col base (the dummy where a tensor has none)."""
+        or values), row base, col, col base, first moment (the dummy where a tensor has none)."""
         d = self._dummy
-        out = [[] for _ in range(5)]
+        out = [[] for _ in range(6)]
         for p, s in zip(self.params, self.states, strict=True):
             first = "row_var" if p.dim() == 2 else "variance"
             row = s.get(f"{first}_codes", s.get(first))
             col = s.get("col_var_codes", s.get("col_var", d))
-            for i, x in enumerate((p, row, s.get(f"{first}_base", d), col, s.get("col_var_base", d))):
+            base, col_base, m = s.get(f"{first}_base", d), s.get("col_var_base", d), s.get("exp_avg", d)
+            for i, x in enumerate((p, row, base, col, col_base, m)):
                 out[i].append(x)
         return out
 
@@ -168,9 +170,11 @@ class AdafactorLaunch:
         # an elementwise tile is stepped EB code blocks at a time (few registers for a rare path)
         eb = min(ELEMENTWISE_BLOCKS, cfg["ROWS"] * cfg["COLS"] // CODE_BLOCK)
         tile_cfg = dict(BR=cfg["ROWS"], BC=cfg["COLS"], EB=eb, num_warps=cfg["num_warps"], **flags)
+        momentum = self.variant["momentum"] != "none"
+        beta1 = (float(group["beta1"]),) if momentum else ()
         if self.multi_tensor:
             g_t = self._grads.update(self.sources, self.grads)
-            p_t, row_t, rowb_t, col_t, colb_t = self._tables
+            p_t, row_t, rowb_t, col_t, colb_t, m_t = self._tables
             if self.stats_work is not None:
                 module.adafactor_stats_kernel[(self.stats_work.shape[0],)](
                     self.stats_work, self.meta, g_t, row_t, rowb_t, col_t, colb_t, self.workspace, self.scal,
@@ -178,10 +182,10 @@ class AdafactorLaunch:
             for apply in (False, True):
                 module.adafactor_tile_kernel[(self.work.shape[0],)](
                     self.work, self.meta, p_t, g_t, row_t, rowb_t, self.workspace, self.scal, self.steps, lr,
-                    self.done, *tail, APPLY=apply, **tile_cfg)  # fmt: skip
+                    self.done, *tail, *((m_t,) + beta1 if momentum else ()), APPLY=apply, **tile_cfg)  # fmt: skip
             return
         for t, g in enumerate(self.grads()):  # the interpreter: one tensor per launch, as tensor 0
-            p, row, rowb, col, colb = (ts[t] for ts in self._pointers)
+            p, row, rowb, col, colb, m = (ts[t] for ts in self._pointers)
             meta, scal, step = self.meta[t:], self.scal[t:], self.steps[t:]
             g = g.contiguous()
             if t in self._stats_of:
@@ -192,8 +196,8 @@ class AdafactorLaunch:
             work = self._work_of[t]
             for apply in (False, True):
                 module.adafactor_tile_kernel[(work.shape[0],)](
-                    work, meta, p, g, row, rowb, self.workspace, scal, step, lr, self.done[t:], *tail, APPLY=apply,
-                    **tile_cfg)  # fmt: skip
+                    work, meta, p, g, row, rowb, self.workspace, scal, step, lr, self.done[t:], *tail,
+                    *((m,) + beta1 if momentum else ()), APPLY=apply, **tile_cfg)  # fmt: skip
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| over this launch's tensors (0-d fp32, no sync)."""
@@ -212,7 +216,7 @@ class AdafactorGroupPlan:
     the CPU under ``auto``, dtypes the kernels do not take)."""
 
     def __init__(self, key: tuple, params: list[Tensor], states: list[dict], coded: list[bool], seeds: list[int],
-                 mode: str) -> None:  # fmt: skip
+                 mode: str, momentum: str = "none") -> None:  # fmt: skip
         self.key = key
         buckets: dict[tuple, list[int]] = {}
         paths = {}
@@ -225,7 +229,7 @@ class AdafactorGroupPlan:
             else:
                 self.reference.append(i)
         self.launches = [AdafactorLaunch([params[i] for i in idx], [states[i] for i in idx], [coded[i] for i in idx],
-                                         [seeds[i] for i in idx], paths[k] == "cuda")
+                                         [seeds[i] for i in idx], paths[k] == "cuda", momentum)
                          for k, idx in buckets.items()]  # fmt: skip
 
     def update_amax(self) -> Tensor:

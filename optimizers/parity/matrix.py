@@ -24,6 +24,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KERNEL_FACTORY_BACKEND", "triton")
 
+from ..adafactor import Adafactor, ReferenceAdafactor  # noqa: E402
 from ..adam_mini import AdamMini, ReferenceAdamMini  # noqa: E402
 from ..adamw import Adam, AdamW, ReferenceAdam, ReferenceAdamW  # noqa: E402
 from ..muon import Muon  # noqa: E402
@@ -64,6 +65,7 @@ def cells(steps: int):
     yield from adam_mini_cells(device)
     yield from muon_cells(device, steps)
     yield from turbo_adam_cells(device, shape_sets)
+    yield from adafactor_cells(device, shape_sets)
 
 
 class OfficialAdamMini:
@@ -140,6 +142,19 @@ def turbo_adam_cells(device: str, shape_sets: list[str]):
                TOL[torch.float32], {}, None)  # fmt: skip
         yield ("TurboAdam", TurboAdam, torch.float32, shapes, device, ReferenceTurboAdam, "reference",
                TURBO_CODES_TOL, dict(min_m_compress_elements=0, min_v_compress_elements=0), None)  # fmt: skip
+
+
+def adafactor_cells(device: str, shape_sets: list[str]):
+    """Adafactor with fp32 statistics against torch.optim.Adafactor (the kernels add g², u² and p² in
+    another order: a few ulps a step), and with 8-bit statistics against its PyTorch path (a code
+    moved by an ulp at a rounding threshold: TURBO_CODES_TOL's reasoning); fp32 parameters."""
+    for shapes in shape_sets:
+        fp32_stats = lambda ps, **kw: Adafactor(ps, state_bits=32, **kw)  # noqa: E731
+        torch_adafactor = lambda ps, **kw: torch.optim.Adafactor(ps, foreach=False, **kw)  # noqa: E731
+        yield ("Adafactor32", fp32_stats, torch.float32, shapes, device, torch_adafactor, "torch", TOL[torch.float32],
+               {}, None)  # fmt: skip
+        yield ("Adafactor", Adafactor, torch.float32, shapes, device, ReferenceAdafactor, "reference", TURBO_CODES_TOL,
+               {}, None)  # fmt: skip
 
 
 def main(argv=None) -> int:
