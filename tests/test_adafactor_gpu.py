@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_steps import assert_graph_replays_eager, assert_steps_without_host_sync
 
-from kernel_factory.generator.timing import capture_graph
 from kernel_factory.optimizers.adafactor import Adafactor, ReferenceAdafactor
 from kernel_factory.optimizers.parity import compare_tensors
 
@@ -75,49 +75,17 @@ def test_bf16_params_are_the_fp32_arithmetic_rounded_once():
 
 
 def test_a_captured_step_replays_the_eager_steps_bit_for_bit():
-    torch.manual_seed(0)
-    shapes = [(512, 768), (768,), (6000,)]
-    init = [torch.randn(s, device="cuda") for s in shapes]
-    grads = [[torch.randn(s, device="cuda") for s in shapes] for _ in range(4)]
-    a = [torch.nn.Parameter(t.clone()) for t in init]
-    b = [torch.nn.Parameter(t.clone()) for t in init]
-    eager, graphed = Adafactor(a, lr=1e-2), Adafactor(b, lr=1e-2)
-    for p, q, g in zip(a, b, grads[0], strict=True):
-        p.grad, q.grad = g.clone(), g.clone()
-    eager.step()
-    graph = capture_graph(graphed.step, warmups=1)  # the warm-up is step 1
-    for step in range(1, 4):
-        for p, q, g in zip(a, b, grads[step], strict=True):
-            p.grad.copy_(g)
-            q.grad.copy_(g)
-        eager.step()
-        graph.replay()
-    for p, q in zip(a, b, strict=True):
-        assert torch.equal(p, q)
-        assert all(torch.equal(eager.state[p][k], graphed.state[q][k]) for k in eager.state[p])
+    graphed = assert_graph_replays_eager(lambda ps: Adafactor(ps, lr=1e-2), [(512, 768), (768,), (6000,)])
     s = graphed.telemetry.summary()
     assert s["steps"] == 4 and s["amax_update"] > 0
 
 
 def test_no_host_sync_with_grad_scaler_tensors():
-    w = torch.nn.Parameter(torch.randn(256, 512, device="cuda"))
-    v = torch.nn.Parameter(torch.randn(5000, device="cuda"))
-    opt = Adafactor([w, v], lr=1e-2)
-    w.grad, v.grad = torch.randn_like(w) * 64, torch.randn_like(v) * 64
-    opt.grad_scale, opt.found_inf = torch.tensor(64.0, device="cuda"), torch.zeros((), device="cuda")
-    opt.step()  # builds the plan
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        opt.step()
-        opt.found_inf.fill_(1.0)
-        before = w.detach().clone()
-        opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(w.detach(), before)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((256, 512), (5000,))]
+    opt = Adafactor(params, lr=1e-2)
+    assert_steps_without_host_sync(opt, params)
     assert opt.telemetry.summary()["skipped_steps"] == 1
-    assert float(opt.state[w]["step"]) == 2.0
+    assert float(opt.state[params[0]]["step"]) == 2.0
 
 
 @pytest.mark.parametrize("state_bits", [8, 32])

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_steps import assert_graph_replays_eager, assert_steps_without_host_sync
 from distributed import run_ranks
 from fsdp_probe import turbo_adam_equal_to_one_process
 
-from kernel_factory.generator.timing import capture_graph
 from kernel_factory.optimizers import AdamW, TurboAdam
 from kernel_factory.optimizers.parity import compare_tensors
 
@@ -98,26 +98,7 @@ def test_exact_tensors_in_the_fused_launch_are_bitwise_our_adamw():
 
 
 def test_a_captured_step_replays_the_eager_steps_bit_for_bit():
-    torch.manual_seed(0)
-    shapes = [(512, 768), (768,), (6000,)]
-    init = [torch.randn(s, device="cuda") for s in shapes]
-    grads = [[torch.randn(s, device="cuda") for s in shapes] for _ in range(4)]
-    a = [torch.nn.Parameter(t.clone()) for t in init]
-    b = [torch.nn.Parameter(t.clone()) for t in init]
-    eager, graphed = TurboAdam(a, lr=1e-2), TurboAdam(b, lr=1e-2)
-    for p, q, g in zip(a, b, grads[0], strict=True):
-        p.grad, q.grad = g.clone(), g.clone()
-    eager.step()
-    graph = capture_graph(graphed.step, warmups=1)  # the warm-up is step 1
-    for step in range(1, 4):
-        for p, q, g in zip(a, b, grads[step], strict=True):
-            p.grad.copy_(g)
-            q.grad.copy_(g)
-        eager.step()
-        graph.replay()
-    for p, q in zip(a, b, strict=True):
-        assert torch.equal(p, q)
-        assert all(torch.equal(eager.state[p][k], graphed.state[q][k]) for k in eager.state[p])
+    graphed = assert_graph_replays_eager(lambda ps: TurboAdam(ps, lr=1e-2), [(512, 768), (768,), (6000,)])
     s = graphed.telemetry.summary()
     assert s["steps"] == 4 and s["amax_update"] > 0
 
@@ -125,19 +106,7 @@ def test_a_captured_step_replays_the_eager_steps_bit_for_bit():
 def test_no_host_sync_with_grad_scaler_tensors():
     w = torch.nn.Parameter(torch.randn(256, 512, device="cuda"))
     opt = TurboAdam([w], lr=1e-2)
-    w.grad = torch.randn_like(w) * 64
-    opt.grad_scale, opt.found_inf = torch.tensor(64.0, device="cuda"), torch.zeros((), device="cuda")
-    opt.step()  # builds the plan
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        opt.step()
-        opt.found_inf.fill_(1.0)
-        before = w.detach().clone()
-        opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(w.detach(), before)
+    assert_steps_without_host_sync(opt, [w])
     assert opt.telemetry.summary()["skipped_steps"] == 1
 
 
