@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from kernel_factory.optimizers import Adam, AdamMini, AdamW, Muon, TurboAdam
+from kernel_factory.optimizers import Adafactor, Adam, AdamMini, AdamW, Muon, TurboAdam
 from kernel_factory.optimizers.parity import compare_tensors
 from kernel_factory.optimizers.shared.dtensor import cut_locally, local, local_part
 
@@ -30,6 +30,9 @@ SHARDED_MUON = lambda params: Muon(params, lr=0.02, weight_decay=0.1, adamw_lr=1
 # Every tensor compressed (blocks of 32), so that the probe's small matrices keep codes.
 SHARDED_TURBO_ADAM = lambda params: TurboAdam(params, lr=1e-2, weight_decay=0.1, block_size=32,  # noqa: E731
                                               min_m_compress_elements=0, min_v_compress_elements=0)  # fmt: skip
+# fp32 statistics (the sharded path keeps them so) and a first moment in fp32
+SHARDED_ADAFACTOR = lambda params: Adafactor(params, lr=1e-2, weight_decay=0.1, state_bits=32, beta1=0.9,  # noqa: E731
+                                             momentum_dtype="fp32")  # fmt: skip
 # Names that give AdamMini every kind of block on SHAPES: rows, heads of 8 rows (split across ranks
 # at 4), a whole (2, 2, 3) tensor and a (1, 7) norm (split or empty), a bias (per element).
 ADAM_MINI_NAMES = ["layers.0.mlp.up_proj.weight", "layers.0.post_attention_layernorm.weight",
@@ -127,6 +130,12 @@ def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: s
     (their approximate sqrt and log2 differ by ulps), so both take the reference there."""
     backend = "torch" if device == "cuda" else "auto"
     states_equal_to_one_process(rank, world, SHARDED_TURBO_ADAM, backend, tol, device, compared=lambda q: q.dim() >= 2)
+
+
+def adafactor_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+    """4 Adafactor steps at ``world`` ranks against one process: params and every state within
+    ``tol`` (row statistics split like the rows, column statistics of split matrices replicated)."""
+    states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR, "auto", tol, device)
 
 
 def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",

@@ -19,9 +19,11 @@ import torch.distributed.checkpoint as dcp
 from distributed import run_ranks
 from fsdp_probe import (
     OPTIMIZERS,
+    SHARDED_ADAFACTOR,
     SHARDED_MUON,
     SHARDED_TURBO_ADAM,
     Probe,
+    adafactor_equal_to_one_process,
     adam_mini_equal_to_one_process,
     equal_to_one_process,
     fsdp_step,
@@ -64,12 +66,14 @@ def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol):
 # element's position (module docstring): AdamW's kernel under the interpreter; Muon's reference.
 # AdamMini (FP8 and bf16 momentum: its dtype must survive the load, FP8's scales reshard) sums its
 # blocks' g² in an order that depends on the world size: held to 1e-6 after the resumed step. FP8 and
-# bf16 take PyTorch ops on CPU; fp32 momentum takes the fused kernel under the interpreter.
+# bf16 take PyTorch ops on CPU; fp32 momentum takes the fused kernel under the interpreter. Adafactor's
+# column sums, row-statistic mean and RMS sums are added across the ranks: 1e-6 too.
 CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_MUON, "torch", 0.0),
                 "AdamMini-fp8": (lambda ps: sharded_adam_mini(ps, "fp8"), "auto", 1e-6),
                 "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6),
                 "AdamMini-fp32": (lambda ps: sharded_adam_mini(ps, "fp32"), "triton", 1e-6),
-                "TurboAdam": (SHARDED_TURBO_ADAM, "auto", 1e-6)}  # fmt: skip
+                "TurboAdam": (SHARDED_TURBO_ADAM, "auto", 1e-6),
+                "Adafactor": (SHARDED_ADAFACTOR, "auto", 1e-6)}  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])  # PyTorch ops on CPU; the fused kernel (interpreter)
@@ -85,6 +89,14 @@ def test_turbo_adam_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
     """Codes, block scales and row means split like the rows, column means all-reduced; the random
     bits follow the global element. Only the column sums' order differs from one process."""
     run_ranks(world, turbo_adam_equal_to_one_process, 1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_adafactor_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
+    """torch.optim.Adafactor fails under FSDP2; ours adds the split matrices' column sums of g², the
+    mean of their row statistics and the sums of p² and u² across the ranks (two all-reduces a
+    step): only those sums' order differs from one process."""
+    run_ranks(world, adafactor_equal_to_one_process, 1e-6)
 
 
 def test_hsdp_replicas_step_their_shards_like_one_process():

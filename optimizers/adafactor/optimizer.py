@@ -28,8 +28,10 @@ from kernel_factory.generator import backend_mode
 from ..shared import log_codes
 from ..shared.buckets import TRITON_DTYPES
 from ..shared.checks import check_param_grad, start_step
+from ..shared.dtensor import DTensor, local
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
+from .distributed import shardable, sharded_statistics, sharded_steps
 from .plan import AdafactorGroupPlan
 
 STATE_BITS = (8, 32)
@@ -132,15 +134,24 @@ class Adafactor(torch.optim.Optimizer):
 
     @staticmethod
     def _coded(p: Tensor, group: dict) -> bool:
-        return group["state_bits"] == 8 and (p.dim() > 1 or p.numel() >= MIN_CODED_VECTOR)
+        # a sharded param keeps its statistics in its dtype (distributed.py)
+        big = p.dim() > 1 or p.numel() >= MIN_CODED_VECTOR
+        return group["state_bits"] == 8 and not isinstance(p, DTensor) and big
 
     def _init_state(self, p: Tensor, group: dict) -> None:
         state = self.state[p]
         if state:
             return
         state["step"] = torch.zeros((), dtype=torch.float32)
-        if group["beta1"] is not None:
+        if group["beta1"] is not None:  # (a DTensor like p where p is one)
             state["exp_avg"] = torch.zeros_like(p, dtype=MOMENTUM_DTYPES[group["momentum_dtype"]])
+        if isinstance(p, DTensor):
+            if not shardable(p):
+                raise RuntimeError(f"Adafactor: a parameter of shape {tuple(p.shape)} with placements {p.placements} "
+                                   "is split otherwise than along dim 0 (tensor parallelism); only FSDP2's and "
+                                   "HSDP's dim-0 shards are supported")  # fmt: skip
+            state.update(sharded_statistics(p))
+            return
         for name, shape in _statistics(p).items():
             if not self._coded(p, group):
                 state[name] = torch.zeros(shape, dtype=p.dtype, device=p.device)
@@ -195,13 +206,22 @@ class Adafactor(torch.optim.Optimizer):
                 lr = float(group["lr"])
                 eps1, eps2 = group["eps"]
                 position = {id(p): i for i, p in enumerate(group["params"])}
+                sharded = []
                 for i in plan.reference:
                     p = params[i]
-                    check_param_grad(i, p, p.grad)
-                    grad = p.grad if grad_scale is None else p.grad / grad_scale.to(p.grad.device)
+                    check_param_grad(i, local(p), local(p.grad))
+                    grad = local(p.grad) if grad_scale is None else local(p.grad) / grad_scale.to(local(p.grad).device)
                     grad = -grad if group["maximize"] else grad
+                    if isinstance(p, DTensor):
+                        sharded.append((p, grad))
+                        continue
                     seed = self._param_seed(gi, position[id(p)])
                     telemetry.add("amax_update", self._step_one(p, grad, group, lr, eps1, eps2, seed))
+                if sharded:
+                    ps, grads = [p for p, _ in sharded], [g for _, g in sharded]
+                    eps1 = torch.finfo(ps[0].dtype).eps if eps1 is None else eps1
+                    amax = sharded_steps(ps, grads, [self.state[p] for p in ps], group, lr, eps1, eps2)
+                    telemetry.add("amax_update", amax)
         return loss
 
     def _group_plan(self, index: int, group: dict) -> tuple[AdafactorGroupPlan, list[Tensor]]:
@@ -216,7 +236,7 @@ class Adafactor(torch.optim.Optimizer):
                 if p.is_complex():
                     raise RuntimeError(f"Adafactor does not support complex parameters (parameter {i}, "
                                        f"shape {tuple(p.shape)})")  # fmt: skip
-                check_param_grad(i, p, p.grad)
+                check_param_grad(i, local(p), local(p.grad))
                 self._init_state(p, group)
             position = {id(p): i for i, p in enumerate(group["params"])}
             plan = self._plans[index] = AdafactorGroupPlan(

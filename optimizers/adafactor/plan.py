@@ -222,7 +222,7 @@ class AdafactorGroupPlan:
         paths = {}
         self.reference: list[int] = []
         for i, p in enumerate(params):
-            path = kernel_path(p, mode) if fused(p) and not isinstance(p, DTensor) else "reference"
+            path = kernel_path(p, mode) if not isinstance(p, DTensor) and fused(p) else "reference"
             if path in ("cuda", "interpreter"):
                 buckets.setdefault((p.device, p.dtype), []).append(i)
                 paths[(p.device, p.dtype)] = path
