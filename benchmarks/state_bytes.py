@@ -1,5 +1,6 @@
 """Optimizer state per parameter on the 134M Llama-style list, counted from the state layouts
-TurboAdam would create (on the meta device: nothing is allocated).
+TurboAdam would create (on the meta device: nothing is allocated), and from the states Adafactor
+creates (on the CPU: it makes them with the optimizer).
 
     python benchmarks/state_bytes.py
 """
@@ -13,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
-from kernel_factory.optimizers import TurboAdam  # noqa: E402
+from kernel_factory.optimizers import Adafactor, TurboAdam  # noqa: E402
 from kernel_factory.optimizers.shared.workloads import SHAPE_SETS  # noqa: E402
 from kernel_factory.optimizers.turbo_adam.reference import init_state  # noqa: E402
 
@@ -37,12 +38,23 @@ def bytes_per_param(shapes: list[tuple[str, tuple[int, ...]]], options: dict) ->
     return total / params
 
 
+def adafactor_bytes_per_param(shapes: list[tuple[str, tuple[int, ...]]], state_bits: int) -> float:
+    """State bytes (``step`` left out) over parameters of Adafactor with ``state_bits`` on ``shapes``."""
+    params = [torch.nn.Parameter(torch.empty(shape)) for _, shape in shapes]
+    opt = Adafactor(params, state_bits=state_bits)
+    total = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    return total / sum(p.numel() for p in params)
+
+
 def main() -> None:
     shapes = SHAPE_SETS["llama134m"]
     count = sum(torch.Size(s).numel() for _, s in shapes) / 1e6
     print(f"TurboAdam state on the 134M list ({count:.1f}M parameters, {len(shapes)} tensors), bytes per parameter")
     for name, options in CONFIGS.items():
         print(f"{name:28s} {bytes_per_param(shapes, options):.4f}")
+    print("Adafactor state on the same list, bytes per parameter")
+    for bits in (8, 32):
+        print(f"{f'state_bits={bits}':28s} {adafactor_bytes_per_param(shapes, bits):.4f}")
 
 
 if __name__ == "__main__":

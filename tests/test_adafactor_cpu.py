@@ -138,3 +138,10 @@ def test_a_bf16_first_moment_round_trips_and_its_arguments_are_checked(tmp_path)
         Adafactor([p], beta1=1.0)
     with pytest.raises(ValueError, match="momentum_dtype"):
         Adafactor([p], beta1=0.9, momentum_dtype="fp16")
+
+
+def test_8_bit_statistics_take_under_0_004_bytes_a_parameter():
+    from benchmarks.state_bytes import adafactor_bytes_per_param
+
+    shapes = [("w", (768, 2048)), ("e", (4096, 768)), ("n", (768,))]
+    assert adafactor_bytes_per_param(shapes, 8) < 0.004 < adafactor_bytes_per_param(shapes, 32)
