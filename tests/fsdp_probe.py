@@ -188,11 +188,12 @@ def states_equal_to_one_process(rank: int, world: int, build, backend: str, tol:
 
 
 def hsdp_equal_to_one_process(rank: int, world: int) -> None:
-    """AdamW (bitwise, our kernel under the interpreter), Muon (bitwise, the reference path) and
-    AdamMini (1e-6) on HSDP's (Replicate, Shard(0)) parameters against one process."""
+    """AdamW (bitwise, our kernel under the interpreter), Muon (bitwise, the reference path),
+    AdamMini and Adafactor (1e-6) on HSDP's (Replicate, Shard(0)) parameters against one process."""
     states_equal_to_one_process(rank, world, OPTIMIZERS["AdamW"], "triton", 0.0, hsdp=True)
     states_equal_to_one_process(rank, world, SHARDED_MUON, "torch", 0.0, hsdp=True)
     states_equal_to_one_process(rank, world, sharded_adam_mini, "auto", 1e-6, hsdp=True)
+    states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR, "auto", 1e-6, hsdp=True)
 
 
 # Params on two meshes in one optimizer: a 1-D FSDP mesh of all ranks and a 2 x (world / 2) HSDP

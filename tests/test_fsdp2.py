@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from kernel_factory.optimizers import AdamW
+from kernel_factory.optimizers import Adafactor, AdamW
 from kernel_factory.optimizers.parity import compare_tensors
 from kernel_factory.optimizers.shared.dtensor import local
 
@@ -97,6 +97,19 @@ def test_adafactor_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
     mean of their row statistics and the sums of p² and u² across the ranks (two all-reduces a
     step): only those sums' order differs from one process."""
     run_ranks(world, adafactor_equal_to_one_process, 1e-6)
+
+
+def _adafactor_refuses_column_splits(rank: int, world: int) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    with pytest.raises(RuntimeError, match="split otherwise than along dim 0"):
+        Adafactor([p])
+
+
+def test_adafactor_refuses_a_tensor_parallel_layout_with_a_clear_error():
+    run_ranks(2, _adafactor_refuses_column_splits)
 
 
 def test_hsdp_replicas_step_their_shards_like_one_process():
