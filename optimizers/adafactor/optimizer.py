@@ -181,7 +181,7 @@ class Adafactor(torch.optim.Optimizer):
         if not coded:
             return  # updated in place
         rows, cols = _as_rows(tuple(value.shape))
-        u = log_codes.uniform(seed, step, torch.arange(rows * cols, device=value.device).view(rows, cols))
+        u = log_codes.weyl_uniform(seed, step, torch.arange(rows * cols, device=value.device).view(rows, cols))
         base = state[f"{name}_base"]
         codes = log_codes.encode_log(value.reshape(rows, cols).float(), base, CODE_BITS, CODE_STEP, BLOCK, u)
         state[f"{name}_codes"].copy_(log_codes.pack(codes, CODE_BITS))

@@ -9,8 +9,9 @@ octaves with an int16 exponent base per block, code 0 for exact zero. The base m
 steps (up when the largest code would overflow, down when it sits two steps below the top), so
 moving a block's range never moves a stored value; the fresh value is rounded stochastically
 (unbiased in log v) against that fixed grid. Random bits are a counter hash of (seed, step,
-element index): no stored buffer, the same bits for the same step from the same state, and for
-an element whatever rank holds it (global indices).
+element index), or (``weyl_uniform``) a hashed start per element advanced by a Weyl sequence in
+the step: no stored buffer, the same bits for the same step from the same state, and for an
+element whatever rank holds it (global indices).
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ def uniform(seed: int, step: int, index: Tensor) -> Tensor:
     """fp32 uniforms in [0, 1) (23 random bits: a kernel makes them as the mantissa of a float in
     [1, 2), less 1, with no int-to-float conversion) for elements ``index`` (int64) at ``step``."""
     return (_hash32(index ^ _key(seed, step, index.device)) >> 9).to(torch.float32) * 2.0**-23
+
+
+WEYL_STEP = 0x9E3779B9  # 2^32 / golden ratio: the Weyl sequence's increment per step
+
+
+def weyl_uniform(seed: int, step: int, index: Tensor) -> Tensor:
+    """fp32 uniforms in [0, 1) (23 bits) for elements ``index`` (int64) at ``step`` that follow, for
+    each element, a Weyl sequence in time: a hashed start lowbias32(index ^ key(seed, 0)), plus
+    step x 2^32 / golden ratio, mod 2^32. At any step they are uniform across elements; over the
+    steps of one element they are equidistributed, so the roundings an element takes over N steps
+    go up within about one of the expected count (an error that stays bounded), where fresh random
+    bits give a count off by about sqrt(N) (a random walk, which an EMA whose weight 1 - beta_t
+    shrinks with t lets grow)."""
+    h = (_hash32(index ^ _key(seed, 0, index.device)) + step * WEYL_STEP) & _MASK
+    return (h >> 9).to(torch.float32) * 2.0**-23
 
 
 def plane_uniforms(seed: int, step: int, rows_index: Tensor, cols: int) -> Tensor:
