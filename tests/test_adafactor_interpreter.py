@@ -140,3 +140,25 @@ def test_a_state_dict_round_trip_continues_on_the_kernels(monkeypatch, tmp_path)
     ref.step()
     _assert_close(other, ref, a, b, init)
     assert float(other.state[a[0]]["step"]) == 3.0
+
+
+def test_an_lr_scheduler_reaches_the_kernels(monkeypatch):
+    """A scheduler changes the group's lr every step: the fused launches read the new value (the
+    step size min(lr, 1/sqrt(t)) and the decay), as the PyTorch path does."""
+    monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) * 0.1 for s in SHAPES[:3]]
+    a = [torch.nn.Parameter(t.clone()) for t in init]
+    b = [torch.nn.Parameter(t.clone()) for t in init]
+    ours, ref = Adafactor(a, lr=1e-2, weight_decay=0.1), ReferenceAdafactor(b, lr=1e-2, weight_decay=0.1)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in (ours, ref)]
+    for _ in range(4):
+        for p, q in zip(a, b, strict=True):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        for s in schedules:
+            s.step()
+    assert ours.param_groups[0]["lr"] == pytest.approx(1e-2 / 5)
+    _assert_close(ours, ref, a, b, init)
