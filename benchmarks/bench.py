@@ -150,11 +150,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-ms", type=float, default=300)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--ns-sizes", default="1024,4096,8192",
-                    help="NS5 matrix sizes for benchmarks/bench_newton_schulz.py (empty: skip it)")
+                    help="NS5 matrices for benchmarks/bench_newton_schulz.py: n, mxn or @model (its hidden "
+                         "matrices with both sides >= 2048), comma-separated (empty: skip it)")  # fmt: skip
     args = ap.parse_args(argv)
     unknown = set(args.shapes.split(",")) - set(SHAPES_OF)
     if unknown:
         ap.error(f"unknown shape set(s) {sorted(unknown)}; known: {', '.join(SHAPES_OF)}")
+    try:
+        ns_shapes = bench_newton_schulz.parse_ns_sizes(args.ns_sizes)
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         print("bench: no CUDA GPU here; nothing to time (the interpreter's timings mean nothing)")
         return 0
@@ -164,8 +169,8 @@ def main(argv=None) -> int:
     if specs:
         bw, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
         write(bw, rows, notes, args.out, nox_command("bench", argv))
-    if args.ns_sizes:
-        bench_newton_schulz.run([int(n) for n in args.ns_sizes.split(",")], args.out, nox_command("bench", argv))
+    if ns_shapes:
+        bench_newton_schulz.run(ns_shapes, args.out, nox_command("bench", argv))
     return 0
 
 

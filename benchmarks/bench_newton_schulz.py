@@ -1,8 +1,11 @@
 """Newton–Schulz and Muon timings, part of ``nox -s bench`` (``--ns-sizes``; empty skips it).
 
-- NS5 on one bf16 n x n matrix: ours (``fast_newton_schulz``, the tuned choice of kernels or
-  matmuls) against torch's bf16 matmuls (torch.optim.Muon's iteration), and the floor: the
-  20 n^3 FLOPs the symmetric products need at the bf16 matmul rate measured in the same run.
+- NS5 on one bf16 m x n matrix: ours (``fast_newton_schulz``, the tuned choice of kernels or
+  matmuls) against torch's bf16 matmuls (torch.optim.Muon's iteration), and the floor: the FLOPs
+  the symmetric products need at the bf16 matmul rate measured in the same run, 5 (3 s² L + s³)
+  for short side s and long side L (X Xᵀ and A A symmetric, B X whole; 20 n³ for n x n).
+  ``--ns-sizes`` takes ``n`` (square), ``mxn``, and ``@model``: the distinct hidden-matrix shapes
+  of a model of ``workloads.MODELS`` with both sides >= 2048.
 - A Muon step over the 84 hidden matrices of the 134M Llama-style list (fp32 params and grads):
   ours against torch.optim.Muon with the same hyperparameters, and the host time to issue it.
 
@@ -20,17 +23,47 @@ import torch
 from kernel_factory.generator.timing import matmul_tflops, time_ms
 from kernel_factory.optimizers import Muon, fast_newton_schulz
 from kernel_factory.optimizers.muon.newton_schulz import reference_newton_schulz
-from kernel_factory.optimizers.shared.workloads import SHAPE_SETS
+from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS, hidden_matrices
+
+MODEL_NS_MIN_SIDE = 2048  # the NS target covers matrices with both sides at least this long
 
 
-def ns_rows(sizes: list[int], tflops: float) -> list[str]:
+def parse_ns_sizes(spec: str) -> list[tuple[int, int]]:
+    """The matrices of ``--ns-sizes``: comma-separated ``n`` (n x n), ``mxn`` and ``@model`` (the
+    distinct hidden-matrix shapes of ``workloads.MODELS[model]`` with both sides >= 2048, in the
+    model's order); duplicates dropped. Bad tokens raise ValueError naming them."""
+    out: list[tuple[int, int]] = []
+    for token in filter(None, (t.strip() for t in spec.split(","))):
+        if token.startswith("@"):
+            if token[1:] not in MODELS:
+                raise ValueError(f"--ns-sizes: unknown model {token[1:]!r}; known: {', '.join(MODELS)}")
+            shapes = [s for _, s in hidden_matrices(SHAPE_SETS[token[1:]]) if min(s) >= MODEL_NS_MIN_SIDE]
+        else:
+            sides = token.lower().split("x")
+            if len(sides) not in (1, 2) or not all(side.isdigit() and int(side) > 0 for side in sides):
+                raise ValueError(f"--ns-sizes: {token!r} is not n, mxn or @model")
+            shapes = [(int(sides[0]), int(sides[-1]))]
+        for shape in shapes:
+            if shape not in out:
+                out.append(shape)
+    return out
+
+
+def ns_floor_flops(m: int, n: int) -> int:
+    """FLOPs of five NS iterations' symmetric products on an m x n matrix: with s and L its short and
+    long sides, X Xᵀ (s² L, symmetric), A A (s³, symmetric) and B X (2 s² L)."""
+    short, long = min(m, n), max(m, n)
+    return 5 * (3 * short * short * long + short**3)
+
+
+def ns_rows(shapes: list[tuple[int, int]], tflops: float) -> list[str]:
     rows = []
-    for n in sizes:
-        g = torch.randn(n, n, device="cuda")
-        ours = time_ms(lambda: fast_newton_schulz(g))[1]  # noqa: B023 (called before the next n)
+    for m, n in shapes:
+        g = torch.randn(m, n, device="cuda")
+        ours = time_ms(lambda: fast_newton_schulz(g))[1]  # noqa: B023 (called before the next shape)
         peer = time_ms(lambda: reference_newton_schulz(g))[1]  # noqa: B023
-        floor = 20 * n**3 / (tflops * 1e12) * 1e3
-        rows.append(f"| NS5 {n}x{n} bf16 | {ours:.3f} | {peer:.3f} | {floor:.3f} | {100 * floor / ours:.1f} | "
+        floor = ns_floor_flops(m, n) / (tflops * 1e12) * 1e3
+        rows.append(f"| NS5 {m}x{n} bf16 | {ours:.3f} | {peer:.3f} | {floor:.3f} | {100 * floor / ours:.1f} | "
                     f"{peer / ours:.2f}x |")  # fmt: skip
     return rows
 
@@ -66,8 +99,9 @@ def muon_rows() -> list[str]:
             f"torch.optim.Muon {hosts['torch']:.3f} ms."]  # fmt: skip
 
 
-def run(sizes: list[int], out: Path, command: str) -> None:
-    """Time NS5 at ``sizes`` and the 134M Muon step; write ``out/bench_newton_schulz.md``."""
+def run(sizes: list[tuple[int, int]], out: Path, command: str) -> None:
+    """Time NS5 on the ``sizes`` matrices (m, n) and the 134M Muon step; write
+    ``out/bench_newton_schulz.md``."""
     if os.environ.get("KERNEL_FACTORY_BACKEND", "auto") == "torch":
         raise RuntimeError("bench_newton_schulz compares our kernels with torch: unset KERNEL_FACTORY_BACKEND=torch")
     tflops = matmul_tflops()

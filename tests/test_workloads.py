@@ -45,3 +45,18 @@ def test_bench_takes_every_model_by_name_and_rejects_others(capsys, monkeypatch)
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "gpt5"])
     assert "unknown shape set" in capsys.readouterr().err
+
+
+def test_ns_sizes_take_squares_rectangles_and_a_models_large_hidden_matrices(capsys, monkeypatch):
+    from benchmarks.bench_newton_schulz import ns_floor_flops, parse_ns_sizes
+
+    assert parse_ns_sizes("4096,3072x8192,@llama2_7b_4layers,4096") == [(4096, 4096), (3072, 8192), (11008, 4096),
+                                                                         (4096, 11008)]  # fmt: skip
+    assert parse_ns_sizes("@llama3_2_1b") == [(2048, 2048), (8192, 2048), (2048, 8192)]  # K/V are 512 x 2048
+    assert parse_ns_sizes("@llama134m") == [] and parse_ns_sizes("") == []
+    assert ns_floor_flops(4096, 4096) == 20 * 4096**3 and ns_floor_flops(8192, 2048) == ns_floor_flops(2048, 8192)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    for bad in ("@gpt5", "12x", "0", "3x4x5"):
+        with pytest.raises(SystemExit):
+            bench.main(["--optimizers", "kernel_factory_adamw", "--ns-sizes", bad])
+        assert "--ns-sizes" in capsys.readouterr().err
