@@ -201,9 +201,9 @@ class Adafactor(torch.optim.Optimizer):
                     launch.run(group, grad_scale, found_inf)
                 if plan.launches:
                     telemetry.watch("amax_update", plan.update_amax)
-                if skip:
+                if skip or not plan.reference:
                     continue
-                lr = float(group["lr"])
+                lr = float(group["lr"])  # (a host read of a tensor lr: the PyTorch path's only)
                 eps1, eps2 = group["eps"]
                 position = {id(p): i for i, p in enumerate(group["params"])}
                 sharded = []
