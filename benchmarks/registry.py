@@ -187,6 +187,10 @@ REGISTRY: dict[str, OptimizerSpec] = {
         OptimizerSpec("kernel_factory_adafactor_fp32_stats",
                       lambda n, s, lr, wd: Adafactor(_tensors(n), lr=lr, weight_decay=wd, state_bits=32),
                       capturable=True, extra_reads=3),
+        *(OptimizerSpec(f"kernel_factory_adafactor_momentum_{m}",
+                        lambda n, s, lr, wd, m=m: Adafactor(_tensors(n), lr=lr, weight_decay=wd, beta1=BETAS[0],
+                                                            momentum_dtype=m),
+                        capturable=True, extra_reads=3) for m in ("bf16", "int8")),
         OptimizerSpec("adafactor8bit", _adafactor8bit, module="adafactor8bit", cuda_only=True, extra_reads=3),
     )
 }  # fmt: skip

@@ -38,10 +38,11 @@ def bytes_per_param(shapes: list[tuple[str, tuple[int, ...]]], options: dict) ->
     return total / params
 
 
-def adafactor_bytes_per_param(shapes: list[tuple[str, tuple[int, ...]]], state_bits: int) -> float:
-    """State bytes (``step`` left out) over parameters of Adafactor with ``state_bits`` on ``shapes``."""
+def adafactor_bytes_per_param(shapes: list[tuple[str, tuple[int, ...]]], state_bits: int, **options) -> float:
+    """State bytes (``step`` left out) over parameters of Adafactor with ``state_bits`` (and
+    ``options``: ``beta1``, ``momentum_dtype``) on ``shapes``."""
     params = [torch.nn.Parameter(torch.empty(shape)) for _, shape in shapes]
-    opt = Adafactor(params, state_bits=state_bits)
+    opt = Adafactor(params, state_bits=state_bits, **options)
     total = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
     return total / sum(p.numel() for p in params)
 
@@ -55,6 +56,9 @@ def main() -> None:
     print("Adafactor state on the same list, bytes per parameter")
     for bits in (8, 32):
         print(f"{f'state_bits={bits}':28s} {adafactor_bytes_per_param(shapes, bits):.4f}")
+    for dtype in ("bf16", "int8"):
+        name = f"beta1, momentum_dtype={dtype}"
+        print(f"{name:28s} {adafactor_bytes_per_param(shapes, 8, beta1=0.9, momentum_dtype=dtype):.4f}")
 
 
 if __name__ == "__main__":

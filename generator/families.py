@@ -215,7 +215,7 @@ ADAFACTOR = KernelFamily(
         "multi_tensor": (True, False),  # the single-tensor variant serves the interpreter
         "param_dtype": _FLOAT_DTYPES,
         "state_codec": ("log8", "fp32"),  # 8-bit ln codes (state_bits=8) or the param dtype's values
-        "momentum": ("none", "bfloat16", "float32"),  # the optional first moment's storage (beta1)
+        "momentum": ("none", "bfloat16", "float32", "int8"),  # the optional first moment's storage (beta1)
         "grad_scaling": (False, True),  # in-kernel unscale and skip-on-inf
     },
     tuning_axes=("multi_tensor", "state_codec"),

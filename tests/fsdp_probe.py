@@ -33,6 +33,9 @@ SHARDED_TURBO_ADAM = lambda params: TurboAdam(params, lr=1e-2, weight_decay=0.1,
 # fp32 statistics (the sharded path keeps them so) and a first moment in fp32
 SHARDED_ADAFACTOR = lambda params: Adafactor(params, lr=1e-2, weight_decay=0.1, state_bits=32, beta1=0.9,  # noqa: E731
                                              momentum_dtype="fp32")  # fmt: skip
+# int8 first moment: codes and block scales split like a matrix's rows; a vector keeps bf16
+SHARDED_ADAFACTOR_INT8 = lambda params: Adafactor(params, lr=1e-2, weight_decay=0.1, state_bits=32,  # noqa: E731
+                                                  beta1=0.9, momentum_dtype="int8")  # fmt: skip
 # Names that give AdamMini every kind of block on SHAPES: rows, heads of 8 rows (split across ranks
 # at 4), a whole (2, 2, 3) tensor and a (1, 7) norm (split or empty), a bias (per element).
 ADAM_MINI_NAMES = ["layers.0.mlp.up_proj.weight", "layers.0.post_attention_layernorm.weight",
@@ -136,6 +139,14 @@ def adafactor_equal_to_one_process(rank: int, world: int, tol: float, device: st
     """4 Adafactor steps at ``world`` ranks against one process: params and every state within
     ``tol`` (row statistics split like the rows, column statistics of split matrices replicated)."""
     states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR, "auto", tol, device)
+
+
+def adafactor_int8_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+    """As ``adafactor_equal_to_one_process`` with an int8 first moment, matrices compared (a sharded
+    vector keeps bf16 where one process has codes); codes within ``state_tol`` normwise, as an ulp
+    of the sums may move a rounding to the next code."""
+    states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR_INT8, "auto", tol, device, state_tol=1e-2,
+                                compared=lambda q: q.dim() >= 2)  # fmt: skip
 
 
 def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",

@@ -64,6 +64,20 @@ def test_a_bf16_first_moment_follows_the_pytorch_path():
         assert m.dtype == torch.bfloat16 and compare_tensors(f"p{i}", "exp_avg", m.float(), r.float(), 1e-2).passed
 
 
+def test_an_int8_first_moment_follows_the_pytorch_path():
+    """Codes as log_codes.encode_linear makes them but where an ulp of m straddles a rounding (a
+    code moved by one, 1/127 of its block's largest value, moves p with it: UPDATE_TOL x 10)."""
+    ours, ref, a, b, init = _pair(SHAPES, torch.float32, beta1=0.9, momentum_dtype="int8")
+    (plan,) = ours._plans.values()
+    assert plan.launches[0].variant["momentum"] == "int8"
+    for i, (p, q, p0) in enumerate(zip(a, b, init, strict=True)):
+        row = compare_tensors(f"p{i}", "update", (p - p0).detach(), (q - p0).detach(), 10 * UPDATE_TOL)
+        assert row.passed, row
+        s, r = ours.state[p], ref.state[q]
+        assert (s["exp_avg_codes"] != r["exp_avg_codes"]).float().mean() <= CODE_FLIPS, i
+        assert compare_tensors(f"p{i}", "scale", s["exp_avg_scale"].float(), r["exp_avg_scale"].float(), 1e-2).passed
+
+
 def test_bf16_params_are_the_fp32_arithmetic_rounded_once():
     """One step: each bf16 param within half a bf16 ulp (2^-8 of its value at most: 8 significant
     bits) of the PyTorch path's fp32 result on the same values, plus the fp32 tolerance of the update."""

@@ -53,7 +53,7 @@ def _assert_close(ours, ref, a, b, init, tol=FP32_TOL):
         assert s.keys() == r.keys()
         for key in s:
             assert s[key].dtype == r[key].dtype and s[key].shape == r[key].shape, key
-            if s[key].dtype in (torch.uint8, torch.int16):
+            if s[key].dtype in (torch.uint8, torch.int16, torch.int8):
                 assert (s[key] != r[key]).float().mean() <= CODE_FLIPS, (i, key)
             elif key == "step":
                 assert torch.equal(s[key], r[key]), (i, key)
@@ -80,6 +80,19 @@ def test_a_first_moment_follows_the_pytorch_path(monkeypatch, state_bits):
     assert ours._plans[0].launches[0].variant["momentum"] == "float32"
     _assert_close(ours, ref, a, b, init)
     assert ours.state[a[0]]["exp_avg"].dtype == torch.float32
+
+
+def test_an_int8_first_moment_follows_the_pytorch_path(monkeypatch):
+    """Codes and bf16 block scales as log_codes.encode_linear makes them (a tile's blocks, a
+    vector's sub-tiles, a partial last block of a row and of a vector)."""
+    ours, ref, a, b, init = _pair(monkeypatch, SHAPES, beta1=0.9, momentum_dtype="int8")
+    assert ours._plans[0].launches[0].variant["momentum"] == "int8"
+    # an ulp of m that straddles a rounding moves a code by one (1/127 of its block's largest value),
+    # and p with it: one such code in 60000 values is 1.6e-5 of the update's norm
+    _assert_close(ours, ref, a, b, init, tol=1e-4)
+    state = ours.state[a[0]]
+    assert state["exp_avg_codes"].dtype == torch.int8 and state["exp_avg_scale"].shape == (300, 2)
+    assert int(state["exp_avg_codes"].abs().max()) == 127  # every block's largest value takes the top code
 
 
 def test_maximize_eps_and_clipping_threshold(monkeypatch):

@@ -20,10 +20,12 @@ from distributed import run_ranks
 from fsdp_probe import (
     OPTIMIZERS,
     SHARDED_ADAFACTOR,
+    SHARDED_ADAFACTOR_INT8,
     SHARDED_MUON,
     SHARDED_TURBO_ADAM,
     Probe,
     adafactor_equal_to_one_process,
+    adafactor_int8_equal_to_one_process,
     adam_mini_equal_to_one_process,
     equal_to_one_process,
     fsdp_step,
@@ -73,7 +75,8 @@ CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_
                 "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6),
                 "AdamMini-fp32": (lambda ps: sharded_adam_mini(ps, "fp32"), "triton", 1e-6),
                 "TurboAdam": (SHARDED_TURBO_ADAM, "auto", 1e-6),
-                "Adafactor": (SHARDED_ADAFACTOR, "auto", 1e-6)}  # fmt: skip
+                "Adafactor": (SHARDED_ADAFACTOR, "auto", 1e-6),
+                "Adafactor-int8": (SHARDED_ADAFACTOR_INT8, "auto", 1e-6)}  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])  # PyTorch ops on CPU; the fused kernel (interpreter)
@@ -89,6 +92,13 @@ def test_turbo_adam_under_fsdp2_is_within_1e6_of_the_one_process_step(world):
     """Codes, block scales and row means split like the rows, column means all-reduced; the random
     bits follow the global element. Only the column sums' order differs from one process."""
     run_ranks(world, turbo_adam_equal_to_one_process, 1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_adafactor_int8_momentum_under_fsdp2_follows_the_one_process_step(world):
+    """int8 first-moment codes and their per-row block scales split like the rows: a rank codes its
+    own rows' blocks, no collective; params within 1e-5 (a moved code is 1/127 of its block)."""
+    run_ranks(world, adafactor_int8_equal_to_one_process, 1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -149,9 +159,9 @@ def _load_and_step(rank: int, world: int, path: str, name: str) -> None:
     if name.startswith("AdamMini"):  # FP8 on matrices; bf16 on the vectors, split inside their one row
         expected = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[name[-4:].lstrip("-")]
         assert {s["exp_avg"].dtype for p, s in opt.state.items() if p.dim() >= 2} == {expected}
-    if name == "TurboAdam":  # codes stay uint8, scales bf16 (torch's loader would cast them to fp32)
+    if name in ("TurboAdam", "Adafactor-int8"):  # codes and bf16 scales kept (torch's loader casts to fp32)
         assert {(s["exp_avg_codes"].dtype, s["exp_avg_scale"].dtype) for p, s in opt.state.items()
-                if p.dim() >= 2} == {(torch.uint8, torch.bfloat16)}  # fmt: skip
+                if p.dim() >= 2} == {(torch.uint8 if name == "TurboAdam" else torch.int8, torch.bfloat16)}  # fmt: skip
     fsdp_step(model, opt, 3, rank, world)
     full = [p.full_tensor() for p in model.params]
     expected = torch.load(os.path.join(path, "after_next_step.pt"))

@@ -26,16 +26,15 @@ from torch import Tensor
 from kernel_factory.generator import backend_mode
 
 from ..shared import log_codes
-from ..shared.buckets import TRITON_DTYPES
 from ..shared.checks import check_param_grad, start_step
 from ..shared.dtensor import DTensor, local
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
+from . import momentum
 from .distributed import shardable, sharded_statistics, sharded_steps
 from .plan import AdafactorGroupPlan
 
 STATE_BITS = (8, 32)
-MOMENTUM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CODE_BITS, CODE_STEP = 8, 1 / 16  # 255 codes a block span 16 octaves, steps of 4.4%
 BLOCK = 128  # statistics per block of a row: one int16 base each
 MIN_CODED_VECTOR = 4096  # a vector's per-element variance is coded from this many elements on
@@ -54,12 +53,14 @@ class Adafactor(torch.optim.Optimizer):
         beta1: None (default, torch's Adafactor) or a first moment's decay in [0, 1): ``exp_avg`` =
             beta1 exp_avg + (1 - beta1) x this step's clipped, scaled update, by which p then moves
             (Shazeer & Stern 2018, as Hugging Face's Adafactor applies it).
-        momentum_dtype: the first moment's storage, ``"bf16"`` (default) or ``"fp32"``.
+        momentum_dtype: the first moment's storage, ``"bf16"`` (default), ``"fp32"`` or ``"int8"``
+            (8-bit linear codes with a bf16 scale per 128 values of a row: momentum.py).
 
     State per parameter: ``step`` (0-d fp32); ``row_var`` (shape[:-1] + (1,)) and ``col_var``
     (shape[:-2] + (1, shape[-1])) or ``variance`` (vectors), as torch keeps them; coded, each is
     ``<name>_codes`` (uint8, (leading dims, values)) and ``<name>_base`` (int16, per block); with
-    ``beta1``, ``exp_avg`` (the parameter's shape).
+    ``beta1``, ``exp_avg`` (the parameter's shape), or with int8 ``exp_avg_codes`` (int8, the
+    parameter's shape) and ``exp_avg_scale`` (bf16, per 128 values of a row).
 
     Matrices, vectors and scalars on CUDA take the fused kernels (plan.py: three launches per
     param group, device and dtype, no host sync, CUDA-graph capturable); tensors of 3+ dims,
@@ -105,8 +106,9 @@ class Adafactor(torch.optim.Optimizer):
         if beta1 is not None and (isinstance(beta1, bool) or not isinstance(beta1, int | float)
                                   or not 0.0 <= beta1 < 1.0):  # fmt: skip
             raise ValueError(f"beta1 must be None or a float in [0, 1), got {beta1!r}")
-        if momentum_dtype not in MOMENTUM_DTYPES:
-            raise ValueError(f"momentum_dtype must be one of {sorted(MOMENTUM_DTYPES)}, got {momentum_dtype!r}")
+        if momentum_dtype not in momentum.MOMENTUM_DTYPES:
+            raise ValueError(f"momentum_dtype must be one of {sorted(momentum.MOMENTUM_DTYPES)}, "
+                             f"got {momentum_dtype!r}")  # fmt: skip
         self.seed = rounding_seed
         defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
                         maximize=maximize, state_bits=state_bits, beta1=beta1,
@@ -142,9 +144,10 @@ class Adafactor(torch.optim.Optimizer):
         state = self.state[p]
         if state:
             return
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        if group["beta1"] is not None:  # (a DTensor like p where p is one)
-            state["exp_avg"] = torch.zeros_like(p, dtype=MOMENTUM_DTYPES[group["momentum_dtype"]])
+        # (on the device for a sharded param: its step reads it there, distributed.py)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device if isinstance(p, DTensor) else None)
+        if group["beta1"] is not None:  # (DTensors split like p where p is one)
+            state.update(momentum.new_state(p, group["momentum_dtype"]))
         if isinstance(p, DTensor):
             if not shardable(p):
                 raise RuntimeError(f"Adafactor: a parameter of shape {tuple(p.shape)} with placements {p.placements} "
@@ -163,11 +166,14 @@ class Adafactor(torch.optim.Optimizer):
     def decoded_state(self, p: Tensor) -> dict[str, Tensor]:
         """``p``'s state as torch.optim.Adafactor keeps it: ``step`` and ``row_var`` / ``col_var``
         (tensors of 2+ dims: shape[:-1] + (1,) and shape[:-2] + (1, shape[-1])) or ``variance``
-        (vectors), decoded from the codes where they are coded (copies either way)."""
+        (vectors), decoded from the codes where they are coded, and with ``beta1`` the first moment
+        ``exp_avg`` (fp32, p's shape) (copies either way)."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         state, coded = self.state[p], self._coded(p, group)
         out = {"step": state["step"].clone()}
         out.update({name: self._read(state, name, shape, coded).clone() for name, shape in _statistics(p).items()})
+        if group["beta1"] is not None:
+            out["exp_avg"] = momentum.read(state)
         return out
 
     def _read(self, state: dict, name: str, shape: tuple[int, ...], coded: bool) -> Tensor:
@@ -242,7 +248,7 @@ class Adafactor(torch.optim.Optimizer):
             plan = self._plans[index] = AdafactorGroupPlan(
                 key, params, [self.state[p] for p in params], [self._coded(p, group) for p in params],
                 [self._param_seed(index, position[id(p)]) for p in params], self.backend or backend_mode(),
-                "none" if group["beta1"] is None else TRITON_DTYPES[MOMENTUM_DTYPES[group["momentum_dtype"]]])
+                "none" if group["beta1"] is None else _TRITON_MOMENTUM[group["momentum_dtype"]])
         return plan, params
 
     def _param_seed(self, group: int, index: int) -> int:
@@ -289,11 +295,11 @@ class Adafactor(torch.optim.Optimizer):
         if group["beta1"] is None:
             p.add_(update, alpha=-alpha / denom)
         else:  # the kernels' order: m = beta1 m + (1 - beta1) (coef u) in fp32, p -= m, m stored rounded
-            m = state["exp_avg"]
-            m32 = m.float().mul_(group["beta1"]).add_(update.float() * (alpha / denom), alpha=1 - group["beta1"])
-            m.copy_(m32)
-            p.sub_(m32)
+            p.sub_(momentum.step(state, group["beta1"], update, alpha / denom))
         return update.abs().amax().float() * (alpha / denom)
+
+
+_TRITON_MOMENTUM = {"bf16": "bfloat16", "fp32": "float32", "int8": "int8"}  # the template's momentum axis
 
 
 def _statistics(p: Tensor) -> dict[str, tuple[int, ...]]:

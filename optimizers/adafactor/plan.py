@@ -127,15 +127,17 @@ class AdafactorLaunch:
 
     def _state_pointers(self) -> list[list[Tensor]]:
         """Per tensor, the tensors behind p, row (row_var, or an elementwise tensor's variance: codes
-        or values), row base, col, col base, first moment (the dummy where a tensor has none)."""
+        or values), row base, col, col base, first moment (values or int8 codes), its block scales
+        (the dummy where a tensor has none)."""
         d = self._dummy
-        out = [[] for _ in range(6)]
+        out = [[] for _ in range(7)]
         for p, s in zip(self.params, self.states, strict=True):
             first = "row_var" if p.dim() == 2 else "variance"
             row = s.get(f"{first}_codes", s.get(first))
             col = s.get("col_var_codes", s.get("col_var", d))
-            base, col_base, m = s.get(f"{first}_base", d), s.get("col_var_base", d), s.get("exp_avg", d)
-            for i, x in enumerate((p, row, base, col, col_base, m)):
+            base, col_base = s.get(f"{first}_base", d), s.get("col_var_base", d)
+            m, m_scale = s.get("exp_avg", s.get("exp_avg_codes", d)), s.get("exp_avg_scale", d)
+            for i, x in enumerate((p, row, base, col, col_base, m, m_scale)):
                 out[i].append(x)
         return out
 
@@ -170,11 +172,12 @@ class AdafactorLaunch:
         # an elementwise tile is stepped EB code blocks at a time (few registers for a rare path)
         eb = min(ELEMENTWISE_BLOCKS, cfg["ROWS"] * cfg["COLS"] // CODE_BLOCK)
         tile_cfg = dict(BR=cfg["ROWS"], BC=cfg["COLS"], EB=eb, num_warps=cfg["num_warps"], **flags)
-        momentum = self.variant["momentum"] != "none"
-        beta1 = (float(group["beta1"]),) if momentum else ()
+        momentum = self.variant["momentum"]
+        beta1 = (float(group["beta1"]),) if momentum != "none" else ()
         if self.multi_tensor:
             g_t = self._grads.update(self.sources, self.grads)
-            p_t, row_t, rowb_t, col_t, colb_t, m_t = self._tables
+            p_t, row_t, rowb_t, col_t, colb_t, m_t, ms_t = self._tables
+            m_args = _momentum_args(momentum, m_t, beta1, ms_t)
             if self.stats_work is not None:
                 module.adafactor_stats_kernel[(self.stats_work.shape[0],)](
                     self.stats_work, self.meta, g_t, row_t, rowb_t, col_t, colb_t, self.workspace, self.scal,
@@ -182,10 +185,10 @@ class AdafactorLaunch:
             for apply in (False, True):
                 module.adafactor_tile_kernel[(self.work.shape[0],)](
                     self.work, self.meta, p_t, g_t, row_t, rowb_t, self.workspace, self.scal, self.steps, lr,
-                    self.done, *tail, *((m_t,) + beta1 if momentum else ()), APPLY=apply, **tile_cfg)  # fmt: skip
+                    self.done, *tail, *m_args, APPLY=apply, **tile_cfg)  # fmt: skip
             return
         for t, g in enumerate(self.grads()):  # the interpreter: one tensor per launch, as tensor 0
-            p, row, rowb, col, colb, m = (ts[t] for ts in self._pointers)
+            p, row, rowb, col, colb, m, ms = (ts[t] for ts in self._pointers)
             meta, scal, step = self.meta[t:], self.scal[t:], self.steps[t:]
             g = g.contiguous()
             if t in self._stats_of:
@@ -197,7 +200,7 @@ class AdafactorLaunch:
             for apply in (False, True):
                 module.adafactor_tile_kernel[(work.shape[0],)](
                     work, meta, p, g, row, rowb, self.workspace, scal, step, lr, self.done[t:], *tail,
-                    *((m,) + beta1 if momentum else ()), APPLY=apply, **tile_cfg)  # fmt: skip
+                    *_momentum_args(momentum, m, beta1, ms), APPLY=apply, **tile_cfg)  # fmt: skip
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| over this launch's tensors (0-d fp32, no sync)."""
@@ -207,6 +210,13 @@ class AdafactorLaunch:
         """Launch with ``config`` from now on (the tuner and benchmarks try configs this way)."""
         self.config = dict(ADAFACTOR.check_config(config))
         self._build()
+
+
+def _momentum_args(momentum: str, m, beta1: tuple, m_scale) -> tuple:
+    """The update launch's first-moment arguments: (m, beta1), and the block scales for int8."""
+    if momentum == "none":
+        return ()
+    return (m, *beta1, m_scale) if momentum == "int8" else (m, *beta1)
 
 
 class AdafactorGroupPlan:

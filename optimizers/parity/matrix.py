@@ -146,8 +146,9 @@ def turbo_adam_cells(device: str, shape_sets: list[str]):
 
 def adafactor_cells(device: str, shape_sets: list[str]):
     """Adafactor with fp32 statistics against torch.optim.Adafactor (the kernels add g², u² and p² in
-    another order: a few ulps a step), and with 8-bit statistics against its PyTorch path (a code
-    moved by an ulp at a rounding threshold: TURBO_CODES_TOL's reasoning); fp32 parameters."""
+    another order: a few ulps a step), and with 8-bit statistics (and an int8 first moment) against
+    its PyTorch path (a code moved by an ulp at a rounding threshold: TURBO_CODES_TOL's reasoning);
+    fp32 parameters."""
     for shapes in shape_sets:
         fp32_stats = lambda ps, **kw: Adafactor(ps, state_bits=32, **kw)  # noqa: E731
         torch_adafactor = lambda ps, **kw: torch.optim.Adafactor(ps, foreach=False, **kw)  # noqa: E731
@@ -155,6 +156,9 @@ def adafactor_cells(device: str, shape_sets: list[str]):
                {}, None)  # fmt: skip
         yield ("Adafactor", Adafactor, torch.float32, shapes, device, ReferenceAdafactor, "reference", TURBO_CODES_TOL,
                {}, None)  # fmt: skip
+        # an int8 first moment: an ulp of m at a rounding moves one code (1/127 of its block's largest)
+        yield ("AdafM8", Adafactor, torch.float32, shapes, device, ReferenceAdafactor, "reference", TURBO_CODES_TOL,
+               {"beta1": 0.9, "momentum_dtype": "int8"}, None)  # fmt: skip
 
 
 def main(argv=None) -> int:

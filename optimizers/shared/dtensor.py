@@ -9,6 +9,8 @@ beside the param's. Local shards are uneven and may be empty (a tail rank of a s
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -21,6 +23,13 @@ except ImportError:  # a torch built without distributed support: no DTensor can
 def local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (the same tensor object at every call, not a copy), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def split_like(p: DTensor, local_t: Tensor, shape: tuple[int, ...]) -> DTensor:
+    """``local_t`` (this rank's part) as a DTensor of global ``shape`` (contiguous) split as ``p``
+    is: a per-row state of a param whose rows alone are split (its shape[0] is the param's)."""
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local_t, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
 
 
 def row_shard_group(p: DTensor):

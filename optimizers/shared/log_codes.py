@@ -1,5 +1,6 @@
 """Low-bit codes shared by the compressed optimizers: a counter hash for random bits, stochastic
-rounding, row blocks, bit packing, and ln-domain codes whose grid moves by whole steps only.
+rounding, row blocks, bit packing, ln-domain codes whose grid moves by whole steps only, and
+linear codes with a bf16 scale per block (first moments).
 
 A tensor is viewed as rows x cols; blocks are ``block`` consecutive elements of a row (the last
 may be shorter), so per-block values are (R, ceil(C / block)) arrays, as FSDP2 shards rows.
@@ -90,6 +91,38 @@ def blocks_of(x: Tensor, block: int) -> Tensor:
 def flat_rows(b: Tensor) -> Tensor:
     """(R, nb, block) -> (R, nb * block) (``blocks_of``'s inverse, padding kept; R may be 0)."""
     return b.reshape(b.shape[0], b.shape[1] * b.shape[2])
+
+
+def bf16_up(x: Tensor) -> Tensor:
+    """x (fp32, >= 0) rounded up to a bf16 value, as bf16."""
+    y = x.to(torch.bfloat16)
+    low = y.float() < x
+    return torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+
+
+def encode_linear(x: Tensor, levels: int, block: int) -> tuple[Tensor, Tensor]:
+    """Signed linear codes of fp32 x (R, C): (q, int32 (R, C) in [-levels, levels]; bf16 scales
+    (R, ceil(C / block))), x ~ q * scale, rounded to nearest (half to even).
+
+    The scale is amax / levels rounded *up* to bf16 and the codes are taken against that rounded
+    scale: decode uses the lattice encode used, no element clips, and bf16's 8-bit exponent keeps
+    scales of |x| ~ 1e-30 (fp16 scales underflow near 6e-8). Divided by a tensor: CUDA divides by
+    a Python scalar as a product with its rounded reciprocal, an ulp over amax / levels where that
+    is a bf16 value (a decoded block, whose amax is levels x scale), which would move its scale."""
+    cols = x.shape[1]
+    b = blocks_of(x, block)
+    amax = b.abs().amax(-1)
+    scale = bf16_up(amax / torch.full_like(amax, levels))
+    s = scale.float()[..., None]
+    inv = 1.0 / torch.where(s > 0, s, torch.ones_like(s))  # the kernels multiply by one reciprocal a block
+    q = torch.round(b * inv).clamp_(-levels, levels)
+    return flat_rows(q)[:, :cols].to(torch.int32), scale
+
+
+def decode_linear(q: Tensor, scale: Tensor, block: int) -> Tensor:
+    """``encode_linear``'s inverse: fp32 (R, C) of integer codes q (R, C) and scales (R, nb)."""
+    cols = q.shape[1]
+    return flat_rows(blocks_of(q.float(), block) * scale.float()[..., None])[:, :cols]
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:

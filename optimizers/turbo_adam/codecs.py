@@ -29,16 +29,14 @@ step, global element index).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from ..shared.log_codes import (
-    blocks_of,
+    decode_linear,
     decode_log,
+    encode_linear,
     encode_log,
-    flat_rows,
     pack_planar,
     stochastic_round,
     unpack_planar,
@@ -54,34 +52,16 @@ FACTORED_LOW = -1.5  # the factored codes 0..3 stand for k = -1.5..1.5
 FACTORED_RATIOS = tuple(2.0 ** ((k + FACTORED_LOW) / 3) for k in range(4))
 
 
-def _bf16_up(x: Tensor) -> Tensor:
-    """x (fp32, >= 0) rounded up to a bf16 value, as bf16."""
-    y = x.to(torch.bfloat16)
-    low = y.float() < x
-    return torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
-
-
 def encode_m(m: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """fp32 m (R, C) -> (4-bit codes, planar-packed uint8 (R, planar_bytes(C, 4)), bf16 scales
-    (R, ceil(C / block)))."""
-    rows, cols = m.shape
-    b = blocks_of(m, block)
-    amax = b.abs().amax(-1)
-    # divided by a tensor: CUDA divides by a Python scalar as a product with its rounded reciprocal,
-    # one ulp over amax / 7 where that is a bf16 value (amax = 7 scale, as in a decoded block, or
-    # 0.1 g of a bf16 g), which put such a block's scale one bf16 step up
-    scale = _bf16_up(amax / torch.full_like(amax, M_LEVELS))
-    s = scale.float()[..., None]
-    inv = 1.0 / torch.where(s > 0, s, torch.ones_like(s))  # the kernels multiply by one reciprocal a block
-    q = torch.round(b * inv).clamp_(-M_LEVELS, M_LEVELS)
-    q = flat_rows(q)[:, :cols]
+    (R, ceil(C / block))): ``log_codes.encode_linear`` at 7 levels."""
+    q, scale = encode_linear(m, M_LEVELS, block)
     return pack_planar(q + M_LEVELS, 4, pad=M_LEVELS), scale  # padding: the code of 0, as the kernels write
 
 
 def decode_m(codes: Tensor, scale: Tensor, cols: int, block: int) -> Tensor:
     """``encode_m``'s inverse: fp32 (R, cols)."""
-    q = (unpack_planar(codes, 4, cols) - M_LEVELS).float()
-    return flat_rows(blocks_of(q, block) * scale.float()[..., None])[:, :cols]
+    return decode_linear(unpack_planar(codes, 4, cols) - M_LEVELS, scale, block)
 
 
 def factored_base(row: Tensor, col: Tensor, col_mean: Tensor | None = None) -> Tensor:
