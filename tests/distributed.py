@@ -25,10 +25,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, fn, args) -> None:
+def _rank_main(rank: int, world: int, port: int, fn, args, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     code = 0
     try:
         fn(rank, world, *args)
@@ -42,6 +42,7 @@ def _rank_main(rank: int, world: int, port: int, fn, args) -> None:
     os._exit(code)
 
 
-def run_ranks(world: int, fn, *args) -> None:
-    """``fn(rank, world, *args)`` on ``world`` Gloo ranks; raises if any rank failed."""
-    mp.spawn(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+def run_ranks(world: int, fn, *args, backend: str = "gloo") -> None:
+    """``fn(rank, world, *args)`` on ``world`` ranks (Gloo; ``backend="nccl"`` for one rank per GPU,
+    or one rank on the one GPU); raises if any rank failed."""
+    mp.spawn(_rank_main, args=(world, _free_port(), fn, args, backend), nprocs=world, join=True)

@@ -149,6 +149,23 @@ def adafactor_int8_equal_to_one_process(rank: int, world: int, tol: float, devic
                                 compared=lambda q: q.dim() >= 2)  # fmt: skip
 
 
+def adafactor_steps_without_host_sync(rank: int, world: int) -> None:
+    """Adafactor (32-bit statistics, int8 first moment) on FSDP2's shards steps with the CUDA sync
+    debug mode raising: step counts, RMS(p) and RMS(u) stay on the GPU (NCCL: one rank per GPU, or
+    one rank, whose all-reduces need no host either)."""
+    torch.cuda.set_device(rank)
+    model, opt = sharded(world, SHARDED_ADAFACTOR_INT8, "cuda")
+    fsdp_step(model, opt, 0, rank, world)  # the first step builds the states and the plan
+    for step in range(1, 3):
+        model(targets(step, rank, world, "cuda")).backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        opt.step()
+        torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+    assert all(float(s["step"]) == 3 for s in opt.state.values())
+
+
 def adam_mini_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",
                                    momentum_dtype: str = "fp32", state_tol: float | None = None) -> None:  # fmt: skip
     """4 AdamMini steps at ``world`` ranks against one process, within ``tol`` (states within

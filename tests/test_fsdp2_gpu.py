@@ -1,6 +1,6 @@
-"""GPU tier: AdamW, Adam, Muon and AdamMini under FSDP2, and DistributedAdamW, with the real multi-tensor kernels,
-two ranks on one GPU over Gloo. Gloo stages through the host: these runs prove correctness, not
-speed."""
+"""GPU tier: AdamW, Adam, Muon, AdamMini and Adafactor under FSDP2, and DistributedAdamW, with the
+real multi-tensor kernels, two ranks on one GPU over Gloo. Gloo stages through the host: these
+runs prove correctness, not speed (one NCCL rank checks that a step needs no host sync)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import torch
 from distributed import run_ranks
 from fsdp_probe import (
     SHAPES,
+    adafactor_equal_to_one_process,
+    adafactor_int8_equal_to_one_process,
+    adafactor_steps_without_host_sync,
     adam_mini_equal_to_one_process,
     equal_to_one_process,
     mixed_meshes_equal_to_one_process,
@@ -37,6 +40,18 @@ def test_muon_under_fsdp2_on_the_gpu_is_within_one_bf16_ns_of_the_one_process_st
     momentum and NS kernels: another bf16 rounding of NS (``muon_tol``)."""
     tol = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_std=1.0)
     run_ranks(2, muon_equal_to_one_process, "auto", tol, "cuda")
+
+
+def test_adafactor_under_fsdp2_on_the_gpu_follows_the_one_process_kernels():
+    """PyTorch ops on the local shards against one process's fused kernels (the GPU's approximate
+    rsqrt and their sums' order: the kernels' 1e-4 of test_adafactor_gpu.py); int8 first moment
+    too (a code moved by an ulp is 1/127 of its block: 1e-3)."""
+    run_ranks(2, adafactor_equal_to_one_process, 1e-4, "cuda")
+    run_ranks(2, adafactor_int8_equal_to_one_process, 1e-3, "cuda")
+
+
+def test_adafactor_under_fsdp2_steps_without_a_host_sync():
+    run_ranks(1, adafactor_steps_without_host_sync, backend="nccl")
 
 
 def test_adam_mini_under_fsdp2_on_the_gpu_is_within_1e6_of_the_one_process_kernels():

@@ -25,7 +25,7 @@ META = 12  # the template's int64 fields per tensor of the meta table
 CODE_BLOCK = 128  # values per int16 base of the 8-bit statistics (optimizer.BLOCK)
 # the stats launch's tile (the template's RT x TC): a band of rows x a stripe of TC columns, 64
 # bytes of a row a thread (16 fp32 or 32 bf16 rows), as TurboAdam's stats launch
-STATS_COLS, STATS_WARPS, STATS_ROW_BYTES = 256, 4, 64
+STATS_COLS, STATS_WARPS, STATS_ROW_BYTES, STATS_STAGES = 256, 4, 64, 3
 STATS_BAND_TILE = 8  # bands the last band of a stripe adds per load (the template's NBT)
 ELEMENTWISE_BLOCKS = 4  # code blocks (of 128 values) an elementwise sub-tile holds
 MAX_BANDS = 64  # a tall matrix takes longer bands rather than give the column sums more to add
@@ -168,7 +168,8 @@ class AdafactorLaunch:
                 float(group["weight_decay"]))  # fmt: skip
         stats_tail = (gs, fi, float(group["beta2_decay"]), eps1)
         flags = dict(ALIGNED=self.aligned, INT64=self.int64)
-        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS, **flags)
+        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS,
+                         num_stages=STATS_STAGES, **flags)  # fmt: skip
         # an elementwise tile is stepped EB code blocks at a time (few registers for a rare path)
         eb = min(ELEMENTWISE_BLOCKS, cfg["ROWS"] * cfg["COLS"] // CODE_BLOCK)
         tile_cfg = dict(BR=cfg["ROWS"], BC=cfg["COLS"], EB=eb, num_warps=cfg["num_warps"], **flags)
