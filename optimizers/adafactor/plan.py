@@ -23,9 +23,8 @@ from ..shared.grad_table import GradTable
 
 META = 12  # the template's int64 fields per tensor of the meta table
 CODE_BLOCK = 128  # values per int16 base of the 8-bit statistics (optimizer.BLOCK)
-# the stats launch's tile (the template's RT x TC): a band of rows x a stripe of TC columns, 64
-# bytes of a row a thread (16 fp32 or 32 bf16 rows), as TurboAdam's stats launch
-STATS_COLS, STATS_WARPS, STATS_ROW_BYTES, STATS_STAGES = 256, 4, 64, 3
+# the stats launch's stripes: TC columns (its iterations are STATS_ROWS x TC, a tunable)
+STATS_COLS = 256
 STATS_BAND_TILE = 8  # bands the last band of a stripe adds per load (the template's NBT)
 ELEMENTWISE_BLOCKS = 4  # code blocks (of 128 values) an elementwise sub-tile holds
 MAX_BANDS = 64  # a tall matrix takes longer bands rather than give the column sums more to add
@@ -70,7 +69,6 @@ class AdafactorLaunch:
     def _build(self) -> None:
         dev, cfg = self.device, self.config
         br, bc = cfg["ROWS"], cfg["COLS"]
-        self.stats_rows = STATS_ROW_BYTES // self.params[0].element_size()
         n = len(self.params)
         meta = torch.zeros((n, META), dtype=torch.int64)
         stats, tiles = [], []
@@ -168,8 +166,8 @@ class AdafactorLaunch:
                 float(group["weight_decay"]))  # fmt: skip
         stats_tail = (gs, fi, float(group["beta2_decay"]), eps1)
         flags = dict(ALIGNED=self.aligned, INT64=self.int64)
-        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS,
-                         num_stages=STATS_STAGES, **flags)  # fmt: skip
+        stats_cfg = dict(RT=cfg["STATS_ROWS"], TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=cfg["STATS_WARPS"],
+                         **flags)  # fmt: skip
         # an elementwise tile is stepped EB code blocks at a time (few registers for a rare path)
         eb = min(ELEMENTWISE_BLOCKS, cfg["ROWS"] * cfg["COLS"] // CODE_BLOCK)
         tile_cfg = dict(BR=cfg["ROWS"], BC=cfg["COLS"], EB=eb, num_warps=cfg["num_warps"], **flags)
