@@ -11,11 +11,19 @@ and weight decay is 0, so the parameter is zeroed before each step and the updat
 parameter after it. Reported at 250, 500, 1000 and 2000 steps: the update's cosine with the fp32
 run's and its norm ratio, and for the row and column statistics the median of stored / exact and
 the rms of |ln(stored / exact)|.
+
+Where adafactor8bit is installed (its PyTorch path runs on the CPU), it steps the same stream with
+``relative_step=False``; its statistics, decoded by its documented codec (code 0 is 0, code q > 0
+is 2^((q - 1) scale / 254 + min_log) per block), are held against exact fp64 EMAs of its own
+definition (the row and column means of g² plus its eps1 = 1e-30, with weight t^-0.8, as torch's).
+Its update is not compared: its step size (no min(lr, 1/sqrt t)) and eps differ from torch's by
+design, not by its codec.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,6 +35,7 @@ from benchmarks.fidelity import CHECKPOINTS, SPREADS, add_common_arguments, stre
 from kernel_factory.optimizers import Adafactor  # noqa: E402
 
 MAGNITUDES = (1e-2, 1e-7, 1e-15)
+PEER_EPS1 = 1e-30  # adafactor8bit adds it to the means of g² (its eps1 default)
 HYPER = dict(lr=1e-2, weight_decay=0.0)
 
 
@@ -57,24 +66,64 @@ def measure(shape, steps: int, spread: float, magnitude: float, trends: bool, de
     return out
 
 
+def _peer_statistics(opt, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """adafactor8bit's row_var and col_var of ``p``, decoded (fp64) from its codes by its formula:
+    per block, code 0 is 0 and code q > 0 is 2^((q - 1) scale / 254 + min_log)."""
+    state, out = opt.state[p], {}
+    for name in ("row_var", "col_var"):
+        scale, low = state[f"{name}_scale"].double(), state[f"{name}_min_log"].double()
+        q = state[f"{name}_q"].double().reshape(scale.numel(), -1)
+        v = torch.where(q > 0, torch.exp2((q - 1) * scale[:, None] / 254 + low[:, None]), 0.0).reshape(-1)
+        out[name] = v[: v.numel() - state[f"{name}_pad"]].view(state[f"{name}_shape"])
+    return out
+
+
+def measure_peer(shape, steps: int, spread: float, magnitude: float, trends: bool, device: str) -> dict[int, tuple]:
+    """adafactor8bit's statistics against exact fp64 EMAs of its definition: (nan, nan, median and rms
+    ln of row_var, of col_var) at each checkpoint."""
+    import adafactor8bit
+
+    p = torch.nn.Parameter(torch.zeros(shape, device=device))
+    opt = adafactor8bit.Adafactor8Bit([p], lr=HYPER["lr"], weight_decay=0.0, relative_step=False)
+    row = col = None
+    out = {}
+    for t, g in enumerate(stream(shape, steps, spread, magnitude, device, trends=trends), 1):
+        with torch.no_grad():
+            p.zero_()
+        p.grad = g.clone()
+        opt.step()
+        sq, w = g.double().square(), t**-0.8
+        row_now, col_now = sq.mean(-1, keepdim=True) + PEER_EPS1, sq.mean(-2, keepdim=True) + PEER_EPS1
+        row = row_now if row is None else row + w * (row_now - row)
+        col = col_now if col is None else col + w * (col_now - col)
+        if t in CHECKPOINTS:
+            mine = _peer_statistics(opt, p)
+            out[t] = (float("nan"), float("nan"), *_log_ratio(mine["row_var"], row), *_log_ratio(mine["col_var"], col))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(ap)
     args = ap.parse_args(argv)
     where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     lines = [f"Fidelity of 8-bit Adafactor statistics against fp32 ones: one {args.rows} x {args.cols} parameter, "
-             f"{where}", "", "| rows | spread (decades) | magnitude | step | update cosine | norm ratio | "
+             f"{where}", "", "| subject | rows | spread (decades) | magnitude | step | update cosine | norm ratio | "
              "median row_var ratio | rms ln row_var | median col_var ratio | rms ln col_var |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for trends in (True, False):
-        for spread in SPREADS:
-            for magnitude in MAGNITUDES:
-                result = measure((args.rows, args.cols), args.steps, spread, magnitude, trends, args.device)
-                for t, values in result.items():
-                    cells = " | ".join(f"{v:.3f}" for v in values)
-                    lines.append(f"| {'1-10x trends' if trends else 'stationary'} | {spread} | {magnitude:g} | {t} | "
-                                 f"{cells} |")  # fmt: skip
-                print(lines[-1], flush=True)
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    subjects = {"ours (state_bits=8)": measure}
+    if importlib.util.find_spec("adafactor8bit") is not None:
+        subjects["adafactor8bit"] = measure_peer
+    for name, run in subjects.items():
+        for trends in (True, False):
+            for spread in SPREADS:
+                for magnitude in MAGNITUDES:
+                    result = run((args.rows, args.cols), args.steps, spread, magnitude, trends, args.device)
+                    for t, values in result.items():
+                        cells = " | ".join("" if v != v else f"{v:.3f}" for v in values)  # (nan: not compared)
+                        lines.append(f"| {name} | {'1-10x trends' if trends else 'stationary'} | {spread} | "
+                                     f"{magnitude:g} | {t} | {cells} |")  # fmt: skip
+                    print(lines[-1], flush=True)
     write_results(lines, argv, "benchmarks/fidelity_adafactor.py", args.out / f"fidelity_adafactor_{args.device}.md")
 
 
