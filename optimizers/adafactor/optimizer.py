@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kernel_factory.generator import backend_mode
 
-from ..shared import log_codes
+from ..shared import log_codes, precompile
 from ..shared.checks import check_param_grad, start_step
 from ..shared.dtensor import DTensor, local
 from ..shared.state_dict import own_loaded_state
@@ -116,6 +116,16 @@ class Adafactor(torch.optim.Optimizer):
         self._plans: dict[int, AdafactorGroupPlan] = {}
         super().__init__(params, defaults)
         self.telemetry = Telemetry({**AMAX_UPDATE, SKIPPED_STEPS: TOTAL})  # the last step's largest |update|, skips
+        # each group's plan for the params that require grads, built now as the first step would
+        # build it (and then reuses), so that its kernels compile while the first forward and
+        # backward run (shared/precompile.py); one that cannot be built now is left to the step
+        for index, group in enumerate(self.param_groups):
+            ps = [p for p in group["params"] if p.requires_grad and not p.is_meta]
+            if any(precompile.enabled(local(p).device) for p in ps) and not any(p.is_complex() for p in ps):
+                try:
+                    self._build_plan(index, group, ps)
+                except Exception:  # noqa: BLE001 - the step raises it where the user expects it
+                    self._plans.pop(index, None)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -235,21 +245,31 @@ class Adafactor(torch.optim.Optimizer):
         (checked and given state when it is built; the fused path re-checks a grad when its
         address changes, the PyTorch path every step)."""
         params = [p for p in group["params"] if p.grad is not None]
-        key = (tuple(map(id, params)), group["state_bits"], group["beta1"] is None, group["momentum_dtype"])
         plan = self._plans.get(index)
-        if plan is None or plan.key != key:
+        if plan is None or plan.key != self._plan_key(group, params):
             for i, p in enumerate(params):
                 if p.is_complex():
                     raise RuntimeError(f"Adafactor does not support complex parameters (parameter {i}, "
                                        f"shape {tuple(p.shape)})")  # fmt: skip
                 check_param_grad(i, local(p), local(p.grad))
-                self._init_state(p, group)
-            position = {id(p): i for i, p in enumerate(group["params"])}
-            plan = self._plans[index] = AdafactorGroupPlan(
-                key, params, [self.state[p] for p in params], [self._coded(p, group) for p in params],
-                [self._param_seed(index, position[id(p)]) for p in params], self.backend or backend_mode(),
-                "none" if group["beta1"] is None else _TRITON_MOMENTUM[group["momentum_dtype"]])
+            plan = self._build_plan(index, group, params)
         return plan, params
+
+    @staticmethod
+    def _plan_key(group: dict, params: list[Tensor]) -> tuple:
+        return tuple(map(id, params)), group["state_bits"], group["beta1"] is None, group["momentum_dtype"]
+
+    def _build_plan(self, index: int, group: dict, params: list[Tensor]) -> AdafactorGroupPlan:
+        """Group ``index``'s plan for ``params`` (their states made where missing), cached."""
+        for p in params:
+            self._init_state(p, group)
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        plan = self._plans[index] = AdafactorGroupPlan(
+            self._plan_key(group, params), params, [self.state[p] for p in params],
+            [self._coded(p, group) for p in params], [self._param_seed(index, position[id(p)]) for p in params],
+            self.backend or backend_mode(),
+            "none" if group["beta1"] is None else _TRITON_MOMENTUM[group["momentum_dtype"]])  # fmt: skip
+        return plan
 
     def _param_seed(self, group: int, index: int) -> int:
         """The random stream of parameter ``index`` of group ``group``: the same on every rank."""

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kernel_factory.generator import ADAFACTOR, detect_arch, load, select
 
+from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES, LrBuffer, kernel_path, pointer_table, share_step_counts
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor
@@ -63,7 +64,10 @@ class AdafactorLaunch:
         self.config = dict(select(ADAFACTOR, arch, ADAFACTOR.variant(**self.variant, grad_scaling=False),
                                   self.variant["param_dtype"], total))  # fmt: skip
         self._kernels: dict[bool, object] = {}
+        self._warm: dict[bool, list[precompile.Warm]] = {}  # kernels compiling in the background
         self._build()
+        if self.multi_tensor:
+            self._precompile()
 
     # -- tables --------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -140,12 +144,55 @@ class AdafactorLaunch:
         return out
 
     # -- launching -----------------------------------------------------------------------------
-    def kernels(self, grad_scaling: bool):
+    def _load(self, grad_scaling: bool):
         k = self._kernels.get(grad_scaling)
         if k is None:
             k = self._kernels[grad_scaling] = load(ADAFACTOR, ADAFACTOR.variant(**self.variant,
                                                                               grad_scaling=grad_scaling))  # fmt: skip
         return k
+
+    def kernels(self, grad_scaling: bool):
+        """The kernels' module, once their background compile (if any, precompile.py) has finished."""
+        for warm in self._warm.pop(grad_scaling, ()):
+            warm.wait()
+        return self._load(grad_scaling)
+
+    def _configs(self) -> tuple[dict, dict]:
+        """The stats launch's and the tile launches' constexprs and launch options."""
+        cfg = self.config
+        flags = dict(ALIGNED=self.aligned, INT64=self.int64)
+        stats_cfg = dict(RT=cfg["STATS_ROWS"], TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=cfg["STATS_WARPS"],
+                         **flags)  # fmt: skip
+        # an elementwise tile is stepped EB code blocks at a time (few registers for a rare path)
+        eb = min(ELEMENTWISE_BLOCKS, cfg["ROWS"] * cfg["COLS"] // CODE_BLOCK)
+        return stats_cfg, dict(BR=cfg["ROWS"], BC=cfg["COLS"], EB=eb, num_warps=cfg["num_warps"], **flags)
+
+    def _multi_tensor_args(self, g_t, lr, gs, fi, floats: tuple, beta1: tuple) -> tuple[tuple, tuple]:
+        """The multi-tensor launches' arguments (stats, tiles) before their constexprs. ``floats``:
+        sign, beta2_decay, eps1², eps2, d, weight_decay, eps1."""
+        sign, beta2_decay, eps1_sq, eps2, d, weight_decay, eps1 = floats
+        p_t, row_t, rowb_t, col_t, colb_t, m_t, ms_t = self._tables
+        stats = (self.stats_work, self.meta, g_t, row_t, rowb_t, col_t, colb_t, self.workspace, self.scal, self.steps,
+                 self.rows_done, self.band_done, self.stripe_done, gs, fi, beta2_decay, eps1)  # fmt: skip
+        tiles = (self.work, self.meta, p_t, g_t, row_t, rowb_t, self.workspace, self.scal, self.steps, lr, self.done,
+                 gs, fi, sign, beta2_decay, eps1_sq, eps2, d, weight_decay,
+                 *_momentum_args(self.variant["momentum"], m_t, beta1, ms_t))  # fmt: skip
+        return stats, tiles
+
+    def _precompile(self) -> None:
+        """Start compiling the launches' kernels (without GradScaler's tensors) in the background:
+        a dtype stands for the lr tensor, zeros for the group's floats (precompile.py)."""
+        module = self._load(False)
+        stats_cfg, tile_cfg = self._configs()
+        beta1 = (0.0,) if self.variant["momentum"] != "none" else ()
+        stats, tiles = self._multi_tensor_args(self._grads.table, torch.float32, self._one, self._zero, (0.0,) * 7,
+                                               beta1)  # fmt: skip
+        warms = [precompile.warm(module.adafactor_tile_kernel, (self.work.shape[0],), tiles,
+                                 dict(APPLY=apply, **tile_cfg), self.device) for apply in (False, True)]  # fmt: skip
+        if self.stats_work is not None:
+            warms.append(precompile.warm(module.adafactor_stats_kernel, (self.stats_work.shape[0],), stats,
+                                         stats_cfg, self.device))  # fmt: skip
+        self._warm[False] = warms
 
     def grads(self) -> list[Tensor]:
         return checked_grads(self.sources)
@@ -159,32 +206,22 @@ class AdafactorLaunch:
         gs = grad_scale.to(self.device) if grad_scale is not None else self._one
         fi = found_inf.to(self.device) if found_inf is not None else self._zero
         module = self.kernels(scaling)
-        cfg = self.config
         lr = self.lr(group["lr"])
         sign = -1.0 if group["maximize"] else 1.0
-        tail = (gs, fi, sign, float(group["beta2_decay"]), eps1 * eps1, float(eps2), float(group["d"]),
-                float(group["weight_decay"]))  # fmt: skip
+        floats = (sign, float(group["beta2_decay"]), eps1 * eps1, float(eps2), float(group["d"]),
+                  float(group["weight_decay"]), eps1)  # fmt: skip
+        tail = (gs, fi, *floats[:-1])
         stats_tail = (gs, fi, float(group["beta2_decay"]), eps1)
-        flags = dict(ALIGNED=self.aligned, INT64=self.int64)
-        stats_cfg = dict(RT=cfg["STATS_ROWS"], TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=cfg["STATS_WARPS"],
-                         **flags)  # fmt: skip
-        # an elementwise tile is stepped EB code blocks at a time (few registers for a rare path)
-        eb = min(ELEMENTWISE_BLOCKS, cfg["ROWS"] * cfg["COLS"] // CODE_BLOCK)
-        tile_cfg = dict(BR=cfg["ROWS"], BC=cfg["COLS"], EB=eb, num_warps=cfg["num_warps"], **flags)
+        stats_cfg, tile_cfg = self._configs()
         momentum = self.variant["momentum"]
         beta1 = (float(group["beta1"]),) if momentum != "none" else ()
         if self.multi_tensor:
             g_t = self._grads.update(self.sources, self.grads)
-            p_t, row_t, rowb_t, col_t, colb_t, m_t, ms_t = self._tables
-            m_args = _momentum_args(momentum, m_t, beta1, ms_t)
+            stats, tiles = self._multi_tensor_args(g_t, lr, gs, fi, floats, beta1)
             if self.stats_work is not None:
-                module.adafactor_stats_kernel[(self.stats_work.shape[0],)](
-                    self.stats_work, self.meta, g_t, row_t, rowb_t, col_t, colb_t, self.workspace, self.scal,
-                    self.steps, self.rows_done, self.band_done, self.stripe_done, *stats_tail, **stats_cfg)  # fmt: skip
+                module.adafactor_stats_kernel[(self.stats_work.shape[0],)](*stats, **stats_cfg)
             for apply in (False, True):
-                module.adafactor_tile_kernel[(self.work.shape[0],)](
-                    self.work, self.meta, p_t, g_t, row_t, rowb_t, self.workspace, self.scal, self.steps, lr,
-                    self.done, *tail, *m_args, APPLY=apply, **tile_cfg)  # fmt: skip
+                module.adafactor_tile_kernel[(self.work.shape[0],)](*tiles, APPLY=apply, **tile_cfg)
             return
         for t, g in enumerate(self.grads()):  # the interpreter: one tensor per launch, as tensor 0
             p, row, rowb, col, colb, m, ms = (ts[t] for ts in self._pointers)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from ..shared import precompile
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_implementation_flags,
@@ -23,6 +24,7 @@ from ..shared.checks import (
     resolve_state_dtype,
     warn_if_nothing_stepped,
 )
+from ..shared.dtensor import local
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from .plan import AdamGroupPlan, group_plan, init_group_state
@@ -88,6 +90,21 @@ class Adam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._plans: dict[int, AdamGroupPlan] = {}
         self.telemetry = Telemetry(TELEMETRY)
+        self._prebuild_plans()
+
+    def _prebuild_plans(self) -> None:
+        """Each group's launch plan for the params that require grads, built now as the first step
+        would build it (and then reuses: the same key), so that its kernels compile in the
+        background while the first forward and backward run (shared/precompile.py). A plan that
+        cannot be built now is left to the step, which builds it again and reports there."""
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.requires_grad and not p.is_meta]
+            if not any(precompile.enabled(local(p).device) for p in params):
+                continue
+            try:
+                group_plan(self._plans, index, params, self.state, group, self.backend)
+            except Exception:  # noqa: BLE001 - the step raises it where the user expects it
+                self._plans.pop(index, None)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -28,6 +28,7 @@ from torch.optim.adam import adam as torch_functional_adam
 
 from kernel_factory.generator import ADAMW, backend_mode, detect_arch, load, select
 
+from ..shared import precompile
 from ..shared.buckets import (
     TRITON_DTYPES,
     LrBuffer,
@@ -60,11 +61,15 @@ class Hyper:
         self.amsgrad = bool(group["amsgrad"])
         self.maximize = bool(group["maximize"])
 
-    def kernel_scalars(self) -> tuple[float, ...]:
+    def kernel_scalars(self) -> tuple[float, ...]:  # (KERNEL_SCALARS of them)
         """beta2, 1-beta1, 1-beta2, log2 beta1 and log2 beta2 (each as an fp32 pair hi + lo),
         eps, weight_decay: computed in double so the kernel's copies are exact."""
         b1, b2 = self.beta1, self.beta2
         return (b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), self.eps, self.weight_decay)
+
+
+KERNEL_SCALARS = ("beta2", "1-beta1", "1-beta2", "log2 beta1 hi", "log2 beta1 lo", "log2 beta2 hi",
+                  "log2 beta2 lo", "eps", "weight_decay")
 
 
 class Bucket:
@@ -153,6 +158,7 @@ class TritonBucket(Bucket):
             maximize=maximize,
         )
         self._kernels: dict[bool, Callable] = {}
+        self._warm: dict[bool, precompile.Warm] = {}  # variants compiling in the background
         self.done = torch.zeros(len(params), dtype=torch.int32, device=self.device)
         self.lr_tensor = LrBuffer(self.device)
         arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
@@ -166,12 +172,19 @@ class TritonBucket(Bucket):
         self.config = dict(ADAMW.check_config(config))
         self.chunk = self.config["CHUNK"]
 
-    def kernel(self, grad_scaling: bool) -> Callable:
+    def _load(self, grad_scaling: bool) -> Callable:
         k = self._kernels.get(grad_scaling)
         if k is None:
             variant = ADAMW.variant(**self._variant, grad_scaling=grad_scaling)
             k = self._kernels[grad_scaling] = load(ADAMW, variant).adam_kernel
         return k
+
+    def kernel(self, grad_scaling: bool) -> Callable:
+        """The kernel to launch now (once its background compile, if any, has finished)."""
+        warm = self._warm.pop(grad_scaling, None)
+        if warm is not None:
+            warm.wait()
+        return self._load(grad_scaling)
 
     def lr_for_step(self, h: Hyper) -> Tensor:
         """The device lr the kernel reads this step (kept for ``update_amax``)."""
@@ -220,22 +233,29 @@ class TritonMultiTensor(TritonBucket):
         self.exp_avg_sq_table = pointer_table(self.exp_avg_sqs, dev)
         self.max_table = pointer_table(self.max_exp_avg_sqs, dev) if self.max_exp_avg_sqs else self.exp_avg_sq_table
         self._grads = GradTable(dev, len(self.params))
+        # both variants (with and without GradScaler's tensors) start compiling now (precompile.py);
+        # a dtype stands for a tensor the launch takes later (the lr buffer, GradScaler's)
+        for scaling in (False, True):
+            scaler = (torch.float32, torch.float32) if scaling else self.scaler_args(None, None)
+            args = self._args(self._grads.table, torch.float32, *scaler, (0.0,) * len(KERNEL_SCALARS))
+            self._warm[scaling] = precompile.warm(self._load(scaling), (self.n_work,), args, self.config, dev)
 
     def configure(self, config) -> None:
         super().configure(config)
         self.work, self.nchunks = chunk_work_list(self._numels, self.chunk, self.device)
         self.n_work = self.work.shape[0]
 
+    def _args(self, grad_table, lr, gs, fi, scalars) -> tuple:
+        return (self.work, self.numel, self.nchunks, self.param_table, grad_table, self.exp_avg_table,
+                self.exp_avg_sq_table, self.max_table, self.steps, self.done, lr, gs, fi, *scalars)  # fmt: skip
+
     def run(self, h, grad_scale, found_inf):
         # Grads are validated when their addresses change (a new grad tensor), not every step.
         grad_table = self._grads.update(self.sources, self.grads)
         kernel = self.kernel(grad_scale is not None or found_inf is not None)
         gs, fi = self.scaler_args(grad_scale, found_inf)
-        kernel[(self.n_work,)](
-            self.work, self.numel, self.nchunks, self.param_table, grad_table,
-            self.exp_avg_table, self.exp_avg_sq_table, self.max_table, self.steps, self.done,
-            self.lr_for_step(h), gs, fi, *h.kernel_scalars(), **self.config,
-        )  # fmt: skip
+        kernel[(self.n_work,)](*self._args(grad_table, self.lr_for_step(h), gs, fi, h.kernel_scalars()),
+                               **self.config)  # fmt: skip
 
 
 def _bucket_kind(p: Tensor, state_dtype: torch.dtype, mode: str) -> type[Bucket]:

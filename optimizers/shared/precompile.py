@@ -1,0 +1,113 @@
+"""Compile an optimizer's Triton kernels in background threads from the moment it is built, so a new
+process's first ``step()`` waits only for what the first forward and backward did not hide.
+
+A kernel's first launch in a process compiles it (Triton: Python to MLIR to PTX in the process,
+ptxas and a C launcher built with the host compiler as subprocesses), or, with a warm on-disk
+cache, loads it; before the first of either Triton hashes its own library once per process
+(``triton.runtime.cache.triton_key``, about 0.45 s on the H100 machine). Measured there
+(``benchmarks/cold_start.py``): one kernel 0.1-4.3 s to compile, and 8 compiled in 8 threads took a
+third of the serial time (the subprocesses and the C++ passes overlap).
+
+``warm(kernel, grid, args, kwargs, device)`` submits ``kernel.warmup`` (compile and load, no launch)
+to a process-wide pool and returns a ``Warm`` handle; the launch site calls ``handle.wait()`` before
+its first launch of that kernel, so the work is never done twice. A failed warmup is dropped: the
+launch then compiles in the caller and raises there, as it would have without this. Off under the
+interpreter, on CPU tensors, and with ``KERNEL_FACTORY_PRECOMPILE=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+from kernel_factory.generator import interpreter_enabled
+
+MAX_THREADS = min(8, os.cpu_count() or 1)
+_lock = threading.Lock()
+_queue: queue.SimpleQueue = queue.SimpleQueue()
+_workers = 0
+_started = False
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels for ``device`` are compiled ahead of their first launch."""
+    return (device.type == "cuda" and not interpreter_enabled()
+            and os.environ.get("KERNEL_FACTORY_PRECOMPILE", "1") != "0")  # fmt: skip
+
+
+def _submit(fn: Callable[[], object]) -> Future:
+    """Run ``fn`` on one of up to MAX_THREADS daemon threads, which exit when the queue is empty (no
+    idle threads are left behind for a later fork, such as a DataLoader's, to copy)."""
+    global _workers, _started
+    future: Future = Future()
+    with _lock:
+        if not _started:  # Triton's once-per-process hash of itself, first in the queue
+            _started = True
+            _queue.put((Future(), _triton_key))
+        _queue.put((future, fn))
+        if _workers < MAX_THREADS:
+            _workers += 1
+            threading.Thread(target=_work, name="kf-compile", daemon=True).start()
+    return future
+
+
+def _work() -> None:
+    global _workers
+    while True:
+        with _lock:  # (an item put after this check starts a new worker)
+            try:
+                future, fn = _queue.get_nowait()
+            except queue.Empty:
+                _workers -= 1
+                return
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(e)
+
+
+def _triton_key() -> None:
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton layout: its first compile computes what it needs
+        return
+    triton_key()
+
+
+class Warm:
+    """A kernel variant compiling in the background (``warm``); ``wait()`` before launching it."""
+
+    def __init__(self, future: Future | None) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        """Block until the compile finished (or failed: the launch then compiles and reports)."""
+        future, self._future = self._future, None
+        if future is not None:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - the caller's own launch raises the real error
+                pass
+
+
+def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device) -> Warm:
+    """Compile and load ``kernel[grid](*args, **kwargs)``'s variant on ``device`` in the background
+    (nothing runs on the GPU). ``args`` are the launch's arguments; tensors only lend their dtype and
+    alignment, so placeholders of the right dtype serve where the real ones do not exist yet."""
+    if not enabled(device):
+        return Warm(None)
+
+    def compile_variant() -> None:
+        with torch.cuda.device(device):  # a new thread starts on device 0
+            compiled = kernel.warmup(*args, grid=grid, **kwargs)
+            init = getattr(compiled, "_init_handles", None)  # load the module, build its launcher
+            if init is not None:
+                init()
+
+    return Warm(_submit(compile_variant))
