@@ -121,7 +121,8 @@ class Adafactor(torch.optim.Optimizer):
         # backward run (shared/precompile.py); one that cannot be built now is left to the step
         for index, group in enumerate(self.param_groups):
             ps = [p for p in group["params"] if p.requires_grad and not p.is_meta]
-            if any(precompile.enabled(local(p).device) for p in ps) and not any(p.is_complex() for p in ps):
+            if (self.backend != "torch" and precompile.worth_planning([local(p) for p in ps])
+                    and not any(p.is_complex() for p in ps)):  # fmt: skip
                 try:
                     self._build_plan(index, group, ps)
                 except Exception:  # noqa: BLE001 - the step raises it where the user expects it

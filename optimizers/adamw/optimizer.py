@@ -99,7 +99,7 @@ class Adam(torch.optim.Optimizer):
         cannot be built now is left to the step, which builds it again and reports there."""
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.requires_grad and not p.is_meta]
-            if not any(precompile.enabled(local(p).device) for p in params):
+            if self.backend == "torch" or not precompile.worth_planning([local(p) for p in params]):
                 continue
             try:
                 group_plan(self._plans, index, params, self.state, group, self.backend)

@@ -4,7 +4,8 @@ process's first ``step()`` waits only for what the first forward and backward di
 A kernel's first launch in a process compiles it (Triton: Python to MLIR to PTX in the process,
 ptxas and a C launcher built with the host compiler as subprocesses), or, with a warm on-disk
 cache, loads it; before the first of either Triton hashes its own library once per process
-(``triton.runtime.cache.triton_key``, about 0.45 s on the H100 machine). Measured there
+(``triton.runtime.cache.triton_key``, about 0.45 s on the H100 machine) and builds its driver's C
+helpers (0.4 s, then cached on disk). Measured there
 (``benchmarks/cold_start.py``): one kernel 0.1-4.3 s to compile, and 8 compiled in 8 threads took a
 third of the serial time (the subprocesses and the C++ passes overlap).
 
@@ -25,7 +26,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kernel_factory.generator import interpreter_enabled
+from kernel_factory.generator import backend_mode, interpreter_enabled, triton_available
 
 MAX_THREADS = min(8, os.cpu_count() or 1)
 _lock = threading.Lock()
@@ -36,8 +37,17 @@ _started = False
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels for ``device`` are compiled ahead of their first launch."""
-    return (device.type == "cuda" and not interpreter_enabled()
+    return (device.type == "cuda" and not interpreter_enabled() and triton_available()
             and os.environ.get("KERNEL_FACTORY_PRECOMPILE", "1") != "0")  # fmt: skip
+
+
+def worth_planning(params: list[torch.Tensor]) -> bool:
+    """Whether an optimizer should build its launch plan for ``params`` (local shards) when it is
+    built: some take kernels ahead of time, none would make the plan warn (a non-contiguous param
+    takes the reference path with a warning, which belongs to the step), and the backend is not
+    pinned to PyTorch."""
+    return (any(enabled(p.device) for p in params) and all(p.is_contiguous() for p in params)
+            and backend_mode() != "torch")  # fmt: skip
 
 
 def _submit(fn: Callable[[], object]) -> Future:
@@ -46,9 +56,10 @@ def _submit(fn: Callable[[], object]) -> Future:
     global _workers, _started
     future: Future = Future()
     with _lock:
-        if not _started:  # Triton's once-per-process hash of itself, first in the queue
+        if not _started:  # Triton's once-per-process work first: its hash of itself, its driver
             _started = True
             _queue.put((Future(), _triton_key))
+            _queue.put((Future(), _triton_driver))
         _queue.put((future, fn))
         if _workers < MAX_THREADS:
             _workers += 1
@@ -78,6 +89,13 @@ def _triton_key() -> None:
     except ImportError:  # another Triton layout: its first compile computes what it needs
         return
     triton_key()
+
+
+def _triton_driver() -> None:
+    """Triton's CUDA driver object (its first use builds or loads a small C module)."""
+    from triton.runtime.driver import driver
+
+    driver.active.get_current_target()
 
 
 class Warm:
