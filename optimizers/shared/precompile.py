@@ -26,7 +26,9 @@ from concurrent.futures import Future
 
 import torch
 
-from kernel_factory.generator import backend_mode, interpreter_enabled, triton_available
+from kernel_factory.generator import backend_mode, interpreter_enabled
+
+from . import buckets  # (its triton_available: the one the kernels' paths consult)
 
 MAX_THREADS = min(8, os.cpu_count() or 1)
 _lock = threading.Lock()
@@ -37,7 +39,7 @@ _started = False
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels for ``device`` are compiled ahead of their first launch."""
-    return (device.type == "cuda" and not interpreter_enabled() and triton_available()
+    return (device.type == "cuda" and not interpreter_enabled() and buckets.triton_available()
             and os.environ.get("KERNEL_FACTORY_PRECOMPILE", "1") != "0")  # fmt: skip
 
 

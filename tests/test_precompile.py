@@ -1,0 +1,47 @@
+"""The background compile pool (optimizers/shared/precompile.py): tasks run, their errors stay with
+the waiter that drops them, no idle thread is left behind, and nothing is compiled ahead on the
+CPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kernel_factory.optimizers.shared import precompile
+
+
+def test_tasks_run_on_a_few_threads_that_exit_when_idle():
+    seen = set()
+
+    def task(i):
+        seen.add(threading.current_thread().name)
+        time.sleep(0.01)
+        return i
+
+    futures = [precompile._submit(lambda i=i: task(i)) for i in range(40)]
+    assert [f.result(timeout=30) for f in futures] == list(range(40))
+    assert seen == {"kf-compile"} and precompile._workers <= precompile.MAX_THREADS
+    deadline = time.monotonic() + 10
+    while precompile._workers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert precompile._workers == 0  # (a later fork copies no idle compile thread)
+
+
+def test_a_failed_warmup_is_dropped_by_wait_and_kept_by_its_future():
+    def fail():
+        raise RuntimeError("compile failed")
+
+    future = precompile._submit(fail)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        future.result(timeout=30)
+    precompile.Warm(future).wait()  # the launch compiles again in the caller and reports there
+    precompile.Warm(None).wait()
+
+
+def test_nothing_is_compiled_ahead_on_the_cpu():
+    p = torch.zeros(4)
+    assert not precompile.enabled(p.device) and not precompile.worth_planning([p])
+    assert precompile.warm(object(), (1,), (), {}, p.device)._future is None
