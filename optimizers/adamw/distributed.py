@@ -77,6 +77,10 @@ class DistributedAdamW(AdamW):
                                 int(bucket_cap_mb * 2**20) // element)  # fmt: skip
         self._ddp_checked = False
 
+    def _prebuild_plans(self) -> None:
+        """None at construction: the plans step this rank's shard params, which the first step makes
+        (AdamW's plans for the whole params would be the wrong ones)."""
+
     def _mesh(self, device_type: str) -> DeviceMesh:
         mesh = self._meshes.get(device_type)
         if mesh is None:
