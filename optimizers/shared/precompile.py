@@ -3,17 +3,18 @@ process's first ``step()`` waits only for what the first forward and backward di
 
 A kernel's first launch in a process compiles it (Triton: Python to MLIR to PTX in the process,
 ptxas and a C launcher built with the host compiler as subprocesses), or, with a warm on-disk
-cache, loads it; before the first of either Triton hashes its own library once per process
-(``triton.runtime.cache.triton_key``, about 0.45 s on the H100 machine) and builds its driver's C
-helpers (0.4 s, then cached on disk). Measured there
-(``benchmarks/cold_start.py``): one kernel 0.1-4.3 s to compile, and 8 compiled in 8 threads took a
-third of the serial time (the subprocesses and the C++ passes overlap).
+cache, loads it; before the first of either, Triton hashes its own library once per process
+(``triton.runtime.cache.triton_key``, 0.45 s measured with an H100) and builds its driver's C
+helpers (0.4 s, then cached on disk). Measured there (``benchmarks/cold_start.py``,
+``docs/cold_start.md``): one kernel 0.1-4.3 s to compile, and 8 compiled in 8 threads took a third
+of the serial time (the subprocesses and the C++ passes overlap).
 
-``warm(kernel, grid, args, kwargs, device)`` submits ``kernel.warmup`` (compile and load, no launch)
-to a process-wide pool and returns a ``Warm`` handle; the launch site calls ``handle.wait()`` before
-its first launch of that kernel, so the work is never done twice. A failed warmup is dropped: the
-launch then compiles in the caller and raises there, as it would have without this. Off under the
-interpreter, on CPU tensors, and with ``KERNEL_FACTORY_PRECOMPILE=0``.
+``warm(kernel, grid, args, kwargs, device)`` queues ``kernel.warmup`` (compile and load, no launch)
+and the launcher's build on up to MAX_THREADS daemon threads and returns a ``Warm`` handle; the
+launch site calls ``handle.wait()`` before its first launch of that kernel, so the work is never
+done twice. A failed warmup is dropped: the launch then compiles in the caller and raises there,
+as it would have without this. Off under the interpreter, on CPU tensors, without Triton, and
+with ``KERNEL_FACTORY_PRECOMPILE=0``.
 """
 
 from __future__ import annotations
