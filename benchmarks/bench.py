@@ -16,6 +16,8 @@ time; for the optimizers that can be captured: ours, and torch's built with capt
 `copy` is a torch copy of the same bytes as our AdamW step: the practical ceiling at that
 size. "% of floor" and "ours faster" use graph times where there are, else eager. Writes
 benchmarks/results/bench.{csv,md}; then benchmarks/bench_newton_schulz.py (NS5 and Muon).
+``--cold-start`` adds each optimizer's first step in a new process with empty kernel caches
+(benchmarks/cold_start.py), on the first shape set and dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import bench_newton_schulz
+from benchmarks import bench_newton_schulz, cold_start
 from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
 from benchmarks.reporting import nox_command
 from kernel_factory.generator.timing import capture_graph, copy_bandwidth_tbs, time_ms
@@ -120,23 +122,35 @@ def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, list[dict]]:
     return bw, rows
 
 
+def add_cold_start(rows: list[dict], specs, shapes_name: str, dname: str) -> None:
+    """Each registered optimizer's first step in a new process with empty kernel caches
+    (``cold_start.measure``, seconds), on its row of ``shapes_name`` x ``dname``."""
+    for spec in specs:
+        first = cold_start.first_step_cold(spec.name, shapes_name, dname)
+        for r in rows:
+            if (r["shapes"], r["dtype"], r["optimizer"]) == (shapes_name, dname, spec.name):
+                r["first_step_cold_s"] = first
+
+
 def write(bw, rows, notes, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = ["shapes", "dtype", "optimizer", "numel", "state_bytes_per_param", "bytes_per_param", "eager_ms",
-              "graph_ms", "ms", "floor_ms", "pct_of_floor", "ours_faster"]  # fmt: skip
+              "graph_ms", "ms", "floor_ms", "pct_of_floor", "ours_faster", "first_step_cold_s"]  # fmt: skip
     with open(out / "bench.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows(rows)
     fmt = lambda v, spec: "n/a" if v is None or v != v else format(v, spec)  # noqa: E731 (NaN != NaN)
     lines = [f"Optimizer step on {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
              f"{bw:.3f} TB/s measured in the same run. Command: `{command}`", "",
              "| shapes | dtype | optimizer | state B/param | moved B/param | eager ms | graph ms | floor ms | "
-             "% of floor | ours faster |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "% of floor | ours faster | first step, empty caches (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['shapes']} | {r['dtype']} | {r['optimizer']} | {fmt(r['state_bytes_per_param'], '.2f')} | "
                      f"{r['bytes_per_param']:.1f} | {r['eager_ms']:.4f} | {fmt(r['graph_ms'], '.4f')} | "
-                     f"{r['floor_ms']:.4f} | {r['pct_of_floor']:.1f} | {fmt(r['ours_faster'], '.2f')}x |")  # fmt: skip
+                     f"{r['floor_ms']:.4f} | {r['pct_of_floor']:.1f} | {fmt(r['ours_faster'], '.2f')}x | "
+                     f"{fmt(r.get('first_step_cold_s'), '.2f')} |")  # fmt: skip
     lines += [""] + [f"- {n}" for n in notes]
     (out / "bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -152,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ns-sizes", default="1024,4096,8192",
                     help="NS5 matrices for benchmarks/bench_newton_schulz.py: n, mxn or @model (its hidden "
                          "matrices with both sides >= 2048), comma-separated (empty: skip it)")  # fmt: skip
+    ap.add_argument("--cold-start", action="store_true",
+                    help="also time each optimizer's first step in a new process with empty kernel caches "
+                         "(benchmarks/cold_start.py), on the first shape set and dtype")  # fmt: skip
     args = ap.parse_args(argv)
     unknown = set(args.shapes.split(",")) - set(SHAPES_OF)
     if unknown:
@@ -168,6 +185,8 @@ def main(argv=None) -> int:
         print(note)
     if specs:
         bw, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
+        if args.cold_start:
+            add_cold_start(rows, specs, args.shapes.split(",")[0], args.dtypes.split(",")[0])
         write(bw, rows, notes, args.out, nox_command("bench", argv))
     if ns_shapes:
         bench_newton_schulz.run(ns_shapes, args.out, nox_command("bench", argv))

@@ -66,6 +66,12 @@ def _run(name: str, shapes: str, dtype: str, caches: Path, gap: float = 0.0) -> 
     return json.loads(lines[-1])
 
 
+def first_step_cold(name: str, shapes: str, dtype: str) -> float:
+    """Seconds of ``name``'s first step in a new process with empty caches, called at once."""
+    with tempfile.TemporaryDirectory(prefix="kf_cold_") as tmp:
+        return _run(name, shapes, dtype, Path(tmp))["first_step_s"]
+
+
 def measure(name: str, shapes: str, dtype: str, gap: float) -> dict:
     """Cold and warm first steps of ``name`` (two fresh processes sharing new, empty cache folders),
     and a cold one ``gap`` seconds after construction (a third process, its own empty folders)."""

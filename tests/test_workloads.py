@@ -60,3 +60,15 @@ def test_ns_sizes_take_squares_rectangles_and_a_models_large_hidden_matrices(cap
         with pytest.raises(SystemExit):
             bench.main(["--optimizers", "kernel_factory_adamw", "--ns-sizes", bad])
         assert "--ns-sizes" in capsys.readouterr().err
+
+
+def test_the_bench_table_has_a_first_step_column_where_it_was_measured(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "GPU")
+    row = dict(shapes="llama134m", dtype="fp32", optimizer="kernel_factory_adamw", numel=10, state_bytes_per_param=8.0,
+               bytes_per_param=28.0, eager_ms=1.0, graph_ms=None, ms=1.0, floor_ms=0.9, pct_of_floor=90.0,
+               ours_faster=1.0)  # fmt: skip
+    bench.write(3.0, [dict(row, first_step_cold_s=2.345), dict(row, dtype="bf16")], [], tmp_path, "cmd")
+    table = (tmp_path / "bench.md").read_text().splitlines()
+    assert table[2].endswith("| first step, empty caches (s) |")
+    assert table[4].endswith("| 2.35 |") and table[5].endswith("| n/a |")
+    assert (tmp_path / "bench.csv").read_text().splitlines()[1].endswith(",2.345")
