@@ -45,3 +45,26 @@ def test_nothing_is_compiled_ahead_on_the_cpu():
     p = torch.zeros(4)
     assert not precompile.enabled(p.device) and not precompile.worth_planning([p])
     assert precompile.warm(object(), (1,), (), {}, p.device)._future is None
+
+
+def test_plans_ahead_skip_frozen_params_and_drop_a_plan_that_fails(monkeypatch):
+    monkeypatch.setattr(precompile, "worth_planning", lambda params: True)
+    frozen = torch.zeros(3)
+    trained = [torch.zeros(2, requires_grad=True), torch.zeros(4, requires_grad=True)]
+    groups = [{"params": [trained[0], frozen]}, {"params": [trained[1]]}]
+    built = {}
+
+    class Opt:
+        backend, param_groups, _plans = None, groups, built
+
+    def build(index, group, params):
+        built[index] = params
+        if index == 1:
+            raise RuntimeError("cannot plan")
+
+    precompile.plan_ahead(Opt, build)
+    assert list(built) == [0] and built[0] == [groups[0]["params"][0]]  # the failed plan is left to the step
+    Opt.backend = "torch"
+    built.clear()
+    precompile.plan_ahead(Opt, build)
+    assert not built

@@ -116,17 +116,7 @@ class Adafactor(torch.optim.Optimizer):
         self._plans: dict[int, AdafactorGroupPlan] = {}
         super().__init__(params, defaults)
         self.telemetry = Telemetry({**AMAX_UPDATE, SKIPPED_STEPS: TOTAL})  # the last step's largest |update|, skips
-        # each group's plan for the params that require grads, built now as the first step would
-        # build it (and then reuses), so that its kernels compile while the first forward and
-        # backward run (shared/precompile.py); one that cannot be built now is left to the step
-        for index, group in enumerate(self.param_groups):
-            ps = [p for p in group["params"] if p.requires_grad and not p.is_meta]
-            if (self.backend != "torch" and precompile.worth_planning([local(p) for p in ps])
-                    and not any(p.is_complex() for p in ps)):  # fmt: skip
-                try:
-                    self._build_plan(index, group, ps)
-                except Exception:  # noqa: BLE001 - the step raises it where the user expects it
-                    self._plans.pop(index, None)
+        precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -24,7 +24,6 @@ from ..shared.checks import (
     resolve_state_dtype,
     warn_if_nothing_stepped,
 )
-from ..shared.dtensor import local
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from .plan import AdamGroupPlan, group_plan, init_group_state
@@ -93,18 +92,9 @@ class Adam(torch.optim.Optimizer):
         self._prebuild_plans()
 
     def _prebuild_plans(self) -> None:
-        """Each group's launch plan for the params that require grads, built now as the first step
-        would build it (and then reuses: the same key), so that its kernels compile in the
-        background while the first forward and backward run (shared/precompile.py). A plan that
-        cannot be built now is left to the step, which builds it again and reports there."""
-        for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.requires_grad and not p.is_meta]
-            if self.backend == "torch" or not precompile.worth_planning([local(p) for p in params]):
-                continue
-            try:
-                group_plan(self._plans, index, params, self.state, group, self.backend)
-            except Exception:  # noqa: BLE001 - the step raises it where the user expects it
-                self._plans.pop(index, None)
+        """Launch plans built now, their kernels compiling in the background (precompile.plan_ahead)."""
+        precompile.plan_ahead(self, lambda index, group, params: group_plan(self._plans, index, params, self.state,
+                                                                            group, self.backend))  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -30,6 +30,7 @@ import torch
 from kernel_factory.generator import backend_mode, interpreter_enabled
 
 from . import buckets  # (its triton_available: the one the kernels' paths consult)
+from .dtensor import local
 
 MAX_THREADS = min(8, os.cpu_count() or 1)
 _lock = threading.Lock()
@@ -47,10 +48,28 @@ def enabled(device: torch.device) -> bool:
 def worth_planning(params: list[torch.Tensor]) -> bool:
     """Whether an optimizer should build its launch plan for ``params`` (local shards) when it is
     built: some take kernels ahead of time, none would make the plan warn (a non-contiguous param
-    takes the reference path with a warning, which belongs to the step), and the backend is not
-    pinned to PyTorch."""
-    return (any(enabled(p.device) for p in params) and all(p.is_contiguous() for p in params)
+    takes the reference path with a warning, which belongs to the step) or is refused by the step
+    (complex), and the backend is not pinned to PyTorch."""
+    return (any(enabled(p.device) for p in params) and all(p.is_contiguous() and not p.is_complex() for p in params)
             and backend_mode() != "torch")  # fmt: skip
+
+
+def plan_ahead(optimizer, build: Callable[[int, dict, list], object]) -> None:
+    """Build each param group's launch plan when ``optimizer`` is built, for the params that require
+    grads, as its first step would build it (and then reuses: the same key), so that its kernels
+    compile while the first forward and backward run. ``build(index, group, params)`` caches the
+    plan in ``optimizer._plans``; one that cannot be built now is dropped and left to the step,
+    which builds it again and reports the error there."""
+    if optimizer.backend == "torch":
+        return
+    for index, group in enumerate(optimizer.param_groups):
+        params = [p for p in group["params"] if p.requires_grad and not p.is_meta]
+        if not worth_planning([local(p) for p in params]):
+            continue
+        try:
+            build(index, group, params)
+        except Exception:  # noqa: BLE001 - the step raises it where the user expects it
+            optimizer._plans.pop(index, None)
 
 
 def _submit(fn: Callable[[], object]) -> Future:
@@ -61,6 +80,7 @@ def _submit(fn: Callable[[], object]) -> Future:
     with _lock:
         if not _started:  # Triton's once-per-process work first: its hash of itself, its driver
             _started = True
+            _import_triton()
             _queue.put((Future(), _triton_key))
             _queue.put((Future(), _triton_driver))
         _queue.put((future, fn))
@@ -84,6 +104,19 @@ def _work() -> None:
                 future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 future.set_exception(e)
+
+
+def _import_triton() -> None:
+    """Import, in the calling thread, the Triton modules the workers use: a package imported by a
+    worker while the caller imports it too can be seen half-initialised by the caller (found with
+    torch._inductor importing triton.backends beside a worker's first import of triton)."""
+    import triton.compiler  # noqa: F401
+    import triton.runtime.driver  # noqa: F401
+
+    try:
+        import triton.runtime.cache  # noqa: F401
+    except ImportError:  # another Triton layout: _triton_key does nothing there
+        pass
 
 
 def _triton_key() -> None:
