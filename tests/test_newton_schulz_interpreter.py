@@ -161,3 +161,26 @@ def test_a_pair_that_does_not_fit_in_shared_memory_launches_its_batches_one_by_o
     nst._launch_pair("update", config, "e", None, launch)
     assert calls == [("a", "b"), ("a", None), ("b", None), ("c", None), ("d", None), ("e", None)]
     nst._UNPAIRED.clear()
+
+
+@pytest.mark.parametrize("configs", [SMALL, HOPPER, MIXED[1]], ids=["classic", "hopper", "classic-torch-hopper"])
+def test_collected_launches_are_the_ones_a_run_issues(configs, monkeypatch):
+    """precompile.py compiles what ``collect_launches`` finds (meta stand-ins, nothing run): the
+    same kernels, grids, constexprs and argument kinds as a real joint run of two batches with
+    norms (two-part hopper launches, the scaled first iteration, a transposed batch)."""
+    from kernel_factory.optimizers.muon import newton_schulz_launch as ns
+    from kernel_factory.optimizers.shared.precompile import _signature
+
+    xs = [torch.randn(2, 64, 96), torch.randn(3, 96, 64).mT]
+    norms = [torch.linalg.vector_norm(x, dim=(-2, -1)) for x in xs]
+    schedule = coefficient_schedule(None, 2)
+    issued = []
+    real = ns._issue
+    monkeypatch.setattr(ns, "_issue", lambda k, grid, args, kwargs: (issued.append((k, grid, args, kwargs)),
+                                                                        real(k, grid, args, kwargs)))  # fmt: skip
+    joint_newton_schulz(xs, schedule, configs, norms)
+    monkeypatch.setattr(ns, "_issue", real)
+    collected = ns.collect_launches(xs, schedule, norms, configs)
+    key = lambda launch: (launch[1], _signature(*(launch[i] for i in (0, 2, 3))))  # noqa: E731
+    assert issued and [key(la) for la in collected] == [key(la) for la in issued]
+    assert all(t.is_meta for la in collected for t in la[2] if isinstance(t, torch.Tensor))

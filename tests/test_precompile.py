@@ -68,3 +68,25 @@ def test_plans_ahead_skip_frozen_params_and_drop_a_plan_that_fails(monkeypatch):
     built.clear()
     precompile.plan_ahead(Opt, build)
     assert not built
+
+
+def test_begin_lists_params_and_leaves_iterators_inside_groups_alone():
+    p = torch.zeros(3, requires_grad=True)
+    assert precompile.begin(iter([p])) == [p]
+    assert precompile.begin(p) is p  # torch.optim's TypeError follows
+    inner = iter([p])
+    groups = precompile.begin([{"params": inner}, {"params": p}, ("name", p)])
+    assert len(groups) == 3 and list(inner) == [p]  # not consumed: torch.optim lists it later
+
+
+def test_launches_of_one_variant_are_warmed_once(monkeypatch):
+    warmed = []
+    monkeypatch.setattr(precompile, "warm", lambda kernel, grid, args, kwargs, device: warmed.append(args))
+    kernel, a, b = object(), torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    launches = [(kernel, (1,), (a, 32, 0.5), {"BLOCK": 4}), (kernel, (2,), (torch.ones(4), 48, 0.1), {"BLOCK": 4}),
+                (kernel, (1,), (b, 32, 0.5), {"BLOCK": 4}), (kernel, (1,), (a, 1, 0.5), {"BLOCK": 4}),
+                (kernel, (1,), (a, 32, 0.5), {"BLOCK": 8})]  # fmt: skip
+    precompile.warm_launches(launches, a.device)
+    # the second launch differs in values only; the others in dtype, an int of 1, a constexpr
+    assert [w[0].dtype for w in warmed] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    assert [w[1] for w in warmed] == [32, 32, 1, 32]

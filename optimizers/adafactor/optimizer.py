@@ -114,7 +114,7 @@ class Adafactor(torch.optim.Optimizer):
                         maximize=maximize, state_bits=state_bits, beta1=beta1,
                         momentum_dtype=momentum_dtype)  # fmt: skip
         self._plans: dict[int, AdafactorGroupPlan] = {}
-        super().__init__(params, defaults)
+        super().__init__(precompile.begin(params), defaults)
         self.telemetry = Telemetry({**AMAX_UPDATE, SKIPPED_STEPS: TOTAL})  # the last step's largest |update|, skips
         precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from kernel_factory.generator import backend_mode
 
+from ..shared import precompile
 from ..shared.buckets import kernel_path, warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
@@ -134,7 +135,7 @@ class AdamMini(torch.optim.Optimizer):
             raise ValueError(f"fallback_capacity must be in (0, 1], got {fallback_capacity!r}")
         self.model_shape = ModelShape(dim, n_heads, n_kv_heads, head_dim)
         self.momentum_dtype, self.sub_block, self.fallback_capacity = momentum_dtype, sub_block, fallback_capacity
-        groups = _named_groups(named_parameters)
+        groups = _named_groups(precompile.begin(named_parameters))
         self.partition = build_partition([pair for g in groups for pair in g["params"]], self.model_shape,
                                          name_rules, qkv_split)  # fmt: skip
         parts = iter(self.partition.params)
@@ -160,6 +161,9 @@ class AdamMini(torch.optim.Optimizer):
             for p in g["params"]:
                 if p.requires_grad and not p.is_meta:
                     self._init_state(p, self._parts[id(p)])
+        # plans built now, kernels compiling in the background (FSDP2's params plan at the step)
+        precompile.plan_ahead(self, lambda index, group, params: self._group_plan(
+            index, [p for p in params if not isinstance(p, DTensor)]))  # fmt: skip
         unmatched = self.partition.unmatched()
         if unmatched:
             warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "

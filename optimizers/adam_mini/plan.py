@@ -15,6 +15,7 @@ from torch import Tensor
 
 from kernel_factory.generator import ADAM_MINI, detect_arch, load, select
 
+from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES, aligned, log2_pair, pointer_table, share_step_counts
 from ..shared.dtensor import local
 from ..shared.grad_table import GradTable
@@ -115,9 +116,14 @@ class AdamMiniTritonPlan:
         arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
         total = sum(t.numel() for t in self.locals)
         self.configure(select(ADAM_MINI, arch, self.variant, self.variant["param_dtype"], total))
+        self._warm: list[precompile.Warm] = []  # kernels compiling in the background (precompile.py)
         if self.multi_tensor:
             self._grads = GradTable(self.device, len(params))
             self._tables = [self._table(key) for key in ("p", "m", "scale", "pool", "used", "v")]
+            if precompile.enabled(self.device):  # placeholders: a dtype for no tensor, zeros for the floats
+                begin = (self.begin_kernel, (1,), self._begin_args(0.0, (0.0, 0.0)), dict(BLOCK=self._begin_block()))
+                updates = self._multi_launches(self._launches, self._grads.table, None, (0.0,) * 6)
+                self._warm = precompile.warm_launches([begin, *updates], self.device)
 
     def _tensor(self, i: int, key: str) -> Tensor:
         state = self.states[i]
@@ -166,12 +172,17 @@ class AdamMiniTritonPlan:
 
     def begin(self, group: dict) -> None:
         """The begin kernel: step counts, bias corrections, per-step counters (template header)."""
-        b1, b2 = (float(b) for b in group["betas"])
-        n = len(self.params)
-        block = min(1024, 1 << (n - 1).bit_length())
-        self.begin_kernel[(-(-n // block),)](self.steps, self.coefs, self.used, self.tel_count, self.tel_amax,
-                                             n, float(group["lr"]), *log2_pair(b1), *log2_pair(b2),
-                                             BLOCK=block)  # fmt: skip
+        precompile.wait_all(self._warm)
+        block = self._begin_block()
+        args = self._begin_args(float(group["lr"]), tuple(float(b) for b in group["betas"]))
+        self.begin_kernel[(-(-len(self.params) // block),)](*args, BLOCK=block)
+
+    def _begin_block(self) -> int:
+        return min(1024, 1 << (len(self.params) - 1).bit_length())
+
+    def _begin_args(self, lr: float, betas: tuple[float, float]) -> tuple:
+        return (self.steps, self.coefs, self.used, self.tel_count, self.tel_amax, len(self.params), lr,
+                *log2_pair(betas[0]), *log2_pair(betas[1]))  # fmt: skip
 
     def launch(self, launches: list, group: dict, checked_grads, v_table: Tensor | None = None,
                v_of=None) -> None:  # fmt: skip
@@ -180,18 +191,13 @@ class AdamMiniTritonPlan:
         b1, b2 = (float(b) for b in group["betas"])
         lr = float(group["lr"])
         scalars = (lr, b2, 1.0 - b1, 1.0 - b2, float(group["eps"]), 1.0 - lr * float(group["weight_decay"]))
-        launch = dict(COLS=self.config["COLS"], SUB=self.sub_block, num_warps=self.config["num_warps"],
-                      num_stages=self.config["num_stages"])  # fmt: skip
+        precompile.wait_all(self._warm)
         if self.multi_tensor:
-            p_t, m_t, s_t, pool_t, used_t, v_t = self._tables
             g_t = self._grads.update(self.params, checked_grads)
-            for (_, vec, rows, (w0, w1, w2)), items in launches:
-                self.kernel[(items.shape[0],)](
-                    items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t if v_table is None else v_table,
-                    self.coefs, self.tel_count, self.tel_amax, *scalars, **launch, ROWS=rows, VEC=vec, W0=w0, W1=w1,
-                    W2=w2,
-                )  # fmt: skip
+            for kernel, grid, args, kwargs in self._multi_launches(launches, g_t, v_table, scalars):
+                kernel[grid](*args, **kwargs)
         else:
+            launch = self._launch_options()
             grads = checked_grads()
             for (i, _, rows, (w0, w1, w2)), items in launches:
                 cols, nsub, cap = self.meta_rows[i]
@@ -201,6 +207,20 @@ class AdamMiniTritonPlan:
                     self.coefs[i], self.tel_count, self.tel_amax, cols, nsub, cap, *scalars, **launch, ROWS=rows,
                     VEC=1, W0=w0, W1=w1, W2=w2,
                 )  # fmt: skip
+
+    def _launch_options(self) -> dict:
+        return dict(COLS=self.config["COLS"], SUB=self.sub_block, num_warps=self.config["num_warps"],
+                    num_stages=self.config["num_stages"])  # fmt: skip
+
+    def _multi_launches(self, launches: list, g_t: Tensor, v_table: Tensor | None, scalars: tuple) -> list[tuple]:
+        """(kernel, grid, args, kwargs) of the multi-tensor update launches over ``launches``."""
+        p_t, m_t, s_t, pool_t, used_t, v_t = self._tables
+        options = self._launch_options()
+        return [(self.kernel, (items.shape[0],),
+                 (items, self.meta, p_t, g_t, m_t, s_t, pool_t, used_t, v_t if v_table is None else v_table,
+                  self.coefs, self.tel_count, self.tel_amax, *scalars),
+                 dict(**options, ROWS=rows, VEC=vec, W0=w0, W1=w1, W2=w2))
+                for (_, vec, rows, (w0, w1, w2)), items in launches]  # fmt: skip
 
     def step_amax(self) -> Tensor:
         """The last step's largest |Adam update| (0-d fp32; one reduction, run when called)."""

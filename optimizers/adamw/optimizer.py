@@ -86,7 +86,7 @@ class Adam(torch.optim.Optimizer):
         # are strict about missing keys, so a torch checkpoint loads into a group with no extra key.
         if resolve_state_dtype(state_dtype) is not None:
             defaults["state_dtype"] = "fp32"
-        super().__init__(params, defaults)
+        super().__init__(precompile.begin(params), defaults)
         self._plans: dict[int, AdamGroupPlan] = {}
         self.telemetry = Telemetry(TELEMETRY)
         self._prebuild_plans()

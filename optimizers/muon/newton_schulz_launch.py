@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -12,6 +13,37 @@ from torch import Tensor
 from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, interpreter_enabled, load, select
 
 TRITON_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+# Collecting (``collect_launches``): the launches are recorded instead of issued, on meta-device
+# stand-ins of the batches (shapes and strides, no memory) for the CUDA device in ``device``.
+_collecting = threading.local()
+
+
+def _issue(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    launches = getattr(_collecting, "launches", None)
+    if launches is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        launches.append((kernel, grid, args, kwargs))
+
+
+def _device(x: Tensor) -> torch.device:
+    """x's device, or for a meta stand-in being collected, the CUDA device it stands for."""
+    return _collecting.device if x.is_meta and getattr(_collecting, "launches", None) is not None else x.device
+
+
+def collect_launches(xs: list[Tensor], schedule: list[tuple[float, float, float]], norms: list[Tensor] | None,
+                     config: Mapping | None = None) -> list[tuple]:  # fmt: skip
+    """(kernel, grid, args, kwargs) of the Triton launches ``joint_newton_schulz(xs, schedule,
+    config, norms)`` issues, found without running anything or allocating its workspace (for
+    precompile.py: the tensors in them are meta-device stand-ins)."""
+    meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
+    _collecting.launches, _collecting.device = [], xs[0].device
+    try:
+        joint_newton_schulz([meta(x) for x in xs], schedule, config, None if norms is None else list(map(meta, norms)))
+        return _collecting.launches
+    finally:
+        _collecting.launches = None
 
 
 def iteration_flops(batch: int, m: int, n: int) -> int:
@@ -37,7 +69,8 @@ def per_product(config: Mapping) -> dict[str, Mapping]:
 def ns_config(x: Tensor) -> dict[str, Mapping]:
     """The tuned config of each product (``PRODUCTS``) for x ((m, n) or (B, m, n), m <= n): by its
     dtype and work (the family default on CPU)."""
-    arch = "cpu" if x.device.type == "cpu" else detect_arch(x.device)
+    device = _device(x)
+    arch = "cpu" if device.type == "cpu" else detect_arch(device)
     dtype = TRITON_DTYPES[x.dtype]
     # Keyed by the work of the whole batch, which tells the batches of Muon apart: the elements
     # alone do not (36 of 768 x 2048 is as many as one 8192^2), and how many tiles a tile size
@@ -174,9 +207,10 @@ def _classic_symmetric(x, out, c, norm, alpha, beta, gamma, has_c: bool, config:
     batch, m, k = x.shape
     block = config["BLOCK"]
     tiles = -(-m // block) * (-(-m // block) + 1) // 2
-    _kernels(x, "classic").sym_kernel[(tiles, batch)](
-        x, c, out, out if norm is None else norm, m, k, *x.stride(), *c.stride(), *out.stride(), alpha, beta, gamma,
-        HAS_C=has_c, SCALED=norm is not None, BLOCK=block, BLOCK_K=config["BLOCK_K"], **_launch(config))  # fmt: skip
+    _issue(_kernels(x, "classic").sym_kernel, (tiles, batch),
+           (x, c, out, out if norm is None else norm, m, k, *x.stride(), *c.stride(), *out.stride(), alpha, beta,
+            gamma),
+           dict(HAS_C=has_c, SCALED=norm is not None, BLOCK=block, BLOCK_K=config["BLOCK_K"], **_launch(config)))
 
 
 def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, gamma, has_c: bool, config: Mapping) -> None:
@@ -197,10 +231,9 @@ def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, gamma, ha
     x = first[0]
     tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a, _ in parts)
     sms = _sm_count(x)
-    _kernels(x, "hopper").sym_kernel[(min(sms, tiles),)](
-        *args, *args2, alpha, beta, gamma, HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2,
-        TWO_PARTS=second is not None, BLOCK=block, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], NUM_SMS=sms,
-        **_launch(config))  # fmt: skip
+    _issue(_kernels(x, "hopper").sym_kernel, (min(sms, tiles),), (*args, *args2, alpha, beta, gamma),
+           dict(HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2, TWO_PARTS=second is not None,
+                BLOCK=block, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], NUM_SMS=sms, **_launch(config)))
 
 
 def update_output(x: Tensor, config: Mapping) -> Tensor:
@@ -236,10 +269,10 @@ def _classic_update(poly, x, out, norm, config: Mapping) -> None:
     batch, m, n = x.shape
     block, block_n = config["BLOCK"], config["BLOCK_N"]
     grid = (-(-m // block) * -(-n // block_n), batch)
-    _kernels(x, "classic").update_kernel[grid](
-        poly, x, out, out if norm is None else norm, m, n, *poly.stride(), *x.stride(), *out.stride(),
-        SCALED=norm is not None, BLOCK=block, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"],
-        GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
+    _issue(_kernels(x, "classic").update_kernel, grid,
+           (poly, x, out, out if norm is None else norm, m, n, *poly.stride(), *x.stride(), *out.stride()),
+           dict(SCALED=norm is not None, BLOCK=block, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"],
+                GROUP_M=config["GROUP_M"], **_launch(config)))
 
 
 def _hopper_update(first: tuple, second: tuple | None, config: Mapping) -> None:
@@ -266,13 +299,14 @@ def _hopper_update(first: tuple, second: tuple | None, config: Mapping) -> None:
     x = first[1]
     tiles = sum(p[4] * -(-p[6] // block) * -(-p[7] // block_n) for p in parts)
     sms = _sm_count(x)
-    _kernels(x, "hopper").update_kernel[(min(sms, tiles),)](
-        *parts[0], *parts[-1], SCALED=first[3] is not None, TWO_PARTS=second is not None, NUM_SMS=sms, BLOCK=block,
-        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config))  # fmt: skip
+    _issue(_kernels(x, "hopper").update_kernel, (min(sms, tiles),), (*parts[0], *parts[-1]),
+           dict(SCALED=first[3] is not None, TWO_PARTS=second is not None, NUM_SMS=sms, BLOCK=block, BLOCK_N=block_n,
+                BLOCK_K=block_k, GROUP_M=config["GROUP_M"], **_launch(config)))
 
 
 def _sm_count(x: Tensor) -> int:
-    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    device = _device(x)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _transposed(x: Tensor) -> bool:
@@ -288,8 +322,9 @@ def hopper_fits(x: Tensor, config: Mapping, product: str) -> bool:
     descriptor's rows, since a TMA block reads on into the next matrix: m for the update, n for
     the Gram product of a transposed x (along a row, TMA fills zeros past the end)."""
     batch, m, n = x.shape
-    if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
+    device = _device(x)
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (9, 0):
             return False
     elif not interpreter_enabled():
         return False

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from ..shared import precompile
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_lr,
@@ -103,9 +104,18 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True)  # fmt: skip
-        super().__init__(self._split_groups(params), defaults)
+        super().__init__(self._split_groups(precompile.begin(params)), defaults)
         self._plans: dict[int, GroupPlan] = {}  # by group index
         self.telemetry = Telemetry(AMAX_UPDATE)
+        precompile.plan_ahead(self, self._plan_ahead)  # plans built now, kernels compiling in the background
+
+    def _plan_ahead(self, index: int, group: dict, params: list[Tensor]) -> None:
+        """Group ``index``'s plan for ``params``, built as the first step would (FSDP2's matrices
+        are left to the step), its kernels queued for their background compile."""
+        if not group["use_muon"]:
+            group_stepper("adamw")(self._plans, index, params, self.state, group)
+        elif not any(isinstance(p, DTensor) for p in params):
+            muon_group_plan(self._plans, index, params, self.state).precompile(group)
 
     def _split_groups(self, params) -> list[dict]:
         """Each group given as up to two groups, Muon's and AdamW's, with torch.optim's errors for

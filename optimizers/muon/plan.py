@@ -21,12 +21,13 @@ from torch import Tensor
 
 from kernel_factory.generator import MUON, backend_mode, detect_arch, load, select
 
+from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES, aligned, kernel_path, pointer_table
 from ..shared.checks import checked_grads
 from ..shared.dtensor import local
 from ..shared.grad_table import GradTable
 from .newton_schulz import coefficient_schedule, iterate
-from .newton_schulz_launch import StaticGraph, joint_newton_schulz, normalized
+from .newton_schulz_launch import StaticGraph, collect_launches, joint_newton_schulz, normalized
 
 # Replay a CUDA graph of a device's NS iterations (captured on the batches' static inputs at the
 # first step) instead of issuing their launches from the host. On the H200, without the graphs
@@ -165,30 +166,49 @@ class TritonBatch(MuonBatch):
         partial = torch.empty((batch, tiles), dtype=torch.float32, device=self.device)
         mu = h.momentum
         if self.multi_tensor:
-            grad_table = self._grads.update(self.params, self.grads)
-            k.momentum_kernel[(tiles, batch)](grad_table, self.buf_table, self.flags, self.x, partial, m, n,
-                                              mu, 1 - mu, **launch)  # fmt: skip
-        else:
-            for i, (g, buf) in enumerate(zip(self.grads(), self.bufs, strict=True)):
-                k.momentum_kernel[(tiles,)](g.contiguous(), buf, int(self.transposed[i]), self.x[i], partial[i],
-                                            m, n, mu, 1 - mu, **launch)  # fmt: skip
+            momentum, norm = self._multi_launches(h, self._grads.update(self.params, self.grads), partial)[:2]
+            for kernel, grid, args, kwargs in (momentum, norm):
+                kernel[grid](*args, **kwargs)
+            return self.x
+        for i, (g, buf) in enumerate(zip(self.grads(), self.bufs, strict=True)):
+            k.momentum_kernel[(tiles,)](g.contiguous(), buf, int(self.transposed[i]), self.x[i], partial[i],
+                                        m, n, mu, 1 - mu, **launch)  # fmt: skip
         k.norm_kernel[(batch,)](partial, self.norm, tiles, h.eps_bf16, BLOCK_T=NORM_BLOCK)
         return self.x
 
+    def _multi_launches(self, h: MuonHyper, grad_table, partial, ortho=None) -> list[tuple]:
+        """(kernel, grid, args, kwargs) of the multi-tensor launches around NS: the momentum update
+        (writing X and the norm's partial sums ``partial`` (B, tiles) fp32), the norm, and the
+        update of p from ``ortho`` (B, m, n) bf16."""
+        k = self.kernels(h.nesterov)
+        m, n, batch = self.m, self.n, len(self.params)
+        tiles, launch = self._launch()
+        mu, decay = h.momentum, 1 - h.lr * h.weight_decay
+        return [(k.momentum_kernel, (tiles, batch),
+                 (grad_table, self.buf_table, self.flags, self.x, partial, m, n, mu, 1 - mu), launch),
+                (k.norm_kernel, (batch,), (partial, self.norm, tiles, h.eps_bf16), dict(BLOCK_T=NORM_BLOCK)),
+                (k.apply_kernel, (tiles, batch), (self.p_table, self.flags, ortho, m, n, decay, *self.lrs(h)),
+                 launch)]  # fmt: skip
+
+    def ahead_launches(self, h: MuonHyper) -> list[tuple]:
+        """The launches around NS with placeholders (dtypes for tensors made at the step), for
+        precompile.py; none for the per-matrix launches."""
+        return self._multi_launches(h, self._grads.table, torch.float32, torch.bfloat16) if self.multi_tensor else []
+
     def apply(self, h: MuonHyper, ortho: Tensor) -> None:
         """p = p (1 - lr wd) - adjusted lr * O, O (B, m, n) bf16 contiguous, tall matrices transposed."""
+        if self.multi_tensor:
+            kernel, grid, args, kwargs = self._multi_launches(h, None, None, ortho)[2]
+            kernel[grid](*args, **kwargs)
+            return
         k = self.kernels(h.nesterov)
         m, n = self.m, self.n
         tiles, launch = self._launch()
         decay = 1 - h.lr * h.weight_decay
         lr_wide, lr_tall = self.lrs(h)
-        if self.multi_tensor:
-            k.apply_kernel[(tiles, len(self.params))](self.p_table, self.flags, ortho, m, n, decay, lr_wide, lr_tall,
-                                                      **launch)  # fmt: skip
-        else:
-            for i, p in enumerate(self.params):
-                k.apply_kernel[(tiles,)](p, int(self.transposed[i]), ortho[i], m, n, decay, lr_wide, lr_tall,
-                                         **launch)  # fmt: skip
+        for i, p in enumerate(self.params):
+            k.apply_kernel[(tiles,)](p, int(self.transposed[i]), ortho[i], m, n, decay, lr_wide, lr_tall,
+                                     **launch)  # fmt: skip
 
     def run(self, h: MuonHyper) -> None:
         """The batch alone (CPU, the interpreter): NS through ``iterate`` on the normalized X."""
@@ -207,6 +227,10 @@ class JointNS:
     def __init__(self, batches: list[TritonBatch]) -> None:
         self.batches = batches
         self._graph: tuple[tuple, StaticGraph] | None = None  # (schedule, its graph)
+
+    def ahead_launches(self, schedule: list[tuple[float, float, float]]) -> list[tuple]:
+        """The iterations' launches (nothing run), for precompile.py."""
+        return collect_launches([b.x for b in self.batches], schedule, [b.norm for b in self.batches])
 
     def __call__(self, schedule: list[tuple[float, float, float]]) -> tuple[list[Tensor], bool]:
         """Each batch's O, and whether they are static (a graph's outputs, rewritten by its
@@ -278,8 +302,19 @@ class MuonGroupPlan:
             if isinstance(batch, TritonBatch) and batch.device.type == "cuda":
                 joint.setdefault(batch.device, []).append(batch)
         self.joint = [JointNS(batches) for batches in joint.values()]
+        self._warm: list[precompile.Warm] = []  # kernels compiling in the background
+
+    def precompile(self, group: dict) -> None:
+        """Queue the Triton variants ``run(group)`` will launch for their background compile."""
+        h = MuonHyper(group)
+        for ns in self.joint:
+            device = ns.batches[0].device
+            if precompile.enabled(device):
+                launches = [la for b in ns.batches for la in b.ahead_launches(h)] + ns.ahead_launches(h.schedule)
+                self._warm += precompile.warm_launches(launches, device)
 
     def run(self, group: dict) -> None:
+        precompile.wait_all(self._warm)
         h = MuonHyper(group)
         for batch in self.batches:
             if not (isinstance(batch, TritonBatch) and batch.device.type == "cuda"):

@@ -54,13 +54,35 @@ def worth_planning(params: list[torch.Tensor]) -> bool:
             and backend_mode() != "torch")  # fmt: skip
 
 
+def begin(params):
+    """Start Triton's once-per-process work (its hash of itself, its driver) in the background if
+    any of ``params`` (what an optimizer's constructor takes: tensors, (name, tensor) pairs or param
+    groups) is a CUDA tensor whose kernels precompile: called first in a constructor, it overlaps
+    the imports torch.optim's ``Optimizer`` does on first use (about 2 s). Returns ``params`` as a
+    list (an iterator is consumed here), a bare tensor unchanged (torch.optim's error follows)."""
+    if isinstance(params, torch.Tensor):
+        return params
+    params = list(params)
+    for item in params:
+        entries = item.get("params", ()) if isinstance(item, dict) else (item,)
+        entries = (entries,) if isinstance(entries, torch.Tensor) else entries
+        if not isinstance(entries, (list, tuple)):  # an iterator torch.optim has yet to consume
+            continue
+        for entry in entries:
+            tensor = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
+            if isinstance(tensor, torch.Tensor) and enabled(local(tensor).device):
+                _submit(lambda: None)  # queues the once-per-process items first
+                return params
+    return params
+
+
 def plan_ahead(optimizer, build: Callable[[int, dict, list], object]) -> None:
     """Build each param group's launch plan when ``optimizer`` is built, for the params that require
     grads, as its first step would build it (and then reuses: the same key), so that its kernels
     compile while the first forward and backward run. ``build(index, group, params)`` caches the
     plan in ``optimizer._plans``; one that cannot be built now is dropped and left to the step,
     which builds it again and reports the error there."""
-    if optimizer.backend == "torch":
+    if getattr(optimizer, "backend", None) == "torch":
         return
     for index, group in enumerate(optimizer.param_groups):
         params = [p for p in group["params"] if p.requires_grad and not p.is_meta]
@@ -165,3 +187,41 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device) -
                 init()
 
     return Warm(_submit(compile_variant))
+
+
+def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What a launch's compiled variant depends on, coarsely (Triton specializes tensors on dtype
+    and 16-byte alignment, ints on 1, multiples of 16 and int32 range, descriptors on dtype and
+    block): launches with the same signature are warmed once."""
+
+    def kind(a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, bool) or a is None or isinstance(a, (str, torch.dtype)):
+            return ("value", a)
+        if isinstance(a, int):
+            return ("int", a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
+        if isinstance(a, float):
+            return ("float",)
+        base = getattr(a, "base", None)  # a TensorDescriptor
+        return (type(a).__name__, tuple(getattr(a, "block_shape", ())), getattr(base, "dtype", None))
+
+    return (id(kernel), tuple(map(kind, args)), tuple(sorted(kwargs.items())))
+
+
+def warm_launches(launches: list[tuple], device: torch.device) -> list[Warm]:
+    """``warm`` each distinct variant of ``launches`` ((kernel, grid, args, kwargs) as the step will
+    issue them, placeholders allowed as in ``warm``) on ``device``."""
+    seen, out = set(), []
+    for kernel, grid, args, kwargs in launches:
+        key = _signature(kernel, args, kwargs)
+        if key not in seen:
+            seen.add(key)
+            out.append(warm(kernel, grid, args, kwargs, device))
+    return out
+
+
+def wait_all(warms: list[Warm]) -> None:
+    """``wait()`` for each of ``warms`` (and empty the list: they are waited for once)."""
+    while warms:
+        warms.pop().wait()

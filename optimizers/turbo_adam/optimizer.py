@@ -18,6 +18,7 @@ from torch import Tensor
 
 from kernel_factory.generator import backend_mode
 
+from ..shared import precompile
 from ..shared.buckets import warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
@@ -117,10 +118,11 @@ class TurboAdam(torch.optim.Optimizer):
                 warn_once(f"TurboAdam: {name} configures turboadam's first-moment codec, which this one does not "
                           f"use; {name}={value!r} is ignored (block_size sets the scales' blocks)")  # fmt: skip
         self.seed = rounding_seed
-        super().__init__(params, defaults)
+        super().__init__(precompile.begin(params), defaults)
         self._exact_plans: dict[int, object] = {}
         self._plans: dict[int, TurboGroupPlan] = {}
         self.telemetry = Telemetry(TELEMETRY)
+        precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -221,20 +223,30 @@ class TurboAdam(torch.optim.Optimizer):
     def _group_plan(self, index: int, group: dict) -> tuple[TurboGroupPlan, list[Tensor]]:
         """The cached plan of param group ``index`` and the params with grads it was built for."""
         params = [p for p in group["params"] if p.grad is not None]
-        key = (tuple(map(id, params)), *(group[k] for k in _STRUCTURAL))
         plan = self._plans.get(index)
-        if plan is None or plan.key != key:
-            # checked and given state when the plan is built: afterwards the fused launches check
-            # a grad when its address changes, the reference path every step (no per-step cost
-            # per parameter on the fused path)
+        if plan is None or plan.key != self._plan_key(group, params):
+            # checked when the plan is built: afterwards the fused launches check a grad when its
+            # address changes, the reference path every step (no per-step cost per parameter on
+            # the fused path)
             for i, p in enumerate(params):
                 check_param_grad(i, local(p), local(p.grad))
-                self._init_state(p, group)
-            position = {id(p): i for i, p in enumerate(group["params"])}
-            seeds = [self._param_seed(index, position[id(p)]) for p in params]
-            plan = self._plans[index] = TurboGroupPlan(key, params, self.state, [self.layout(p, group) for p in params],
-                                                       seeds, self.backend or backend_mode())  # fmt: skip
+            plan = self._build_plan(index, group, params)
         return plan, params
+
+    @staticmethod
+    def _plan_key(group: dict, params: list[Tensor]) -> tuple:
+        return (tuple(map(id, params)), *(group[k] for k in _STRUCTURAL))
+
+    def _build_plan(self, index: int, group: dict, params: list[Tensor]) -> TurboGroupPlan:
+        """Param group ``index``'s plan for ``params`` (those with grads), their state created."""
+        for p in params:
+            self._init_state(p, group)
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        seeds = [self._param_seed(index, position[id(p)]) for p in params]
+        plan = self._plans[index] = TurboGroupPlan(self._plan_key(group, params), params, self.state,
+                                                   [self.layout(p, group) for p in params], seeds,
+                                                   self.backend or backend_mode())  # fmt: skip
+        return plan
 
     def _step_group(self, index: int, group: dict, plan: TurboGroupPlan, params: list[Tensor],
                     grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool, col_means: dict[int, Tensor],

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kernel_factory.generator import TURBO_ADAM, detect_arch, load, select
 
+from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES, LrBuffer, kernel_path, log2_pair, pointer_table, share_step_counts
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor
@@ -93,7 +94,10 @@ class TurboLaunch:
         self.config = dict(select(TURBO_ADAM, arch, TURBO_ADAM.variant(**{**self.variant, "grad_scaling": False}),
                                   self.variant["param_dtype"], total))  # fmt: skip
         self._kernels: dict[bool, object] = {}
+        self._warm: dict[bool, list[precompile.Warm]] = {}  # kernels compiling in the background
         self._build(seeds)
+        if multi_tensor and precompile.enabled(dev):
+            self._precompile()
 
     # -- tables --------------------------------------------------------------------------------
     def _build(self, seeds: list[int]) -> None:
@@ -197,36 +201,23 @@ class TurboLaunch:
 
     def run(self, lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
             grad_scale: Tensor | None, found_inf: Tensor | None) -> None:  # fmt: skip
-        b1, b2 = (float(b) for b in betas)
         scaling = grad_scale is not None or found_inf is not None
         # without GradScaler the kernels read neither: constants made once, no per-step allocation
         gs = grad_scale.to(self.device) if grad_scale is not None else self._one
         fi = found_inf.to(self.device) if found_inf is not None else self._zero
-        module = self.kernels(scaling)
-        cfg = self.config
-        tile = dict(ROWS=cfg["ROWS"], num_warps=cfg["num_warps"])
-        lr_t = self.lr(lr)
+        b1, b2 = (float(b) for b in betas)
         upd = (b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), float(eps), float(weight_decay))
-        stats_tail = (gs, fi, b2, 1.0 - b2)
-        flags = dict(ALIGNED=self.aligned, INT64=self.int64)
-        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS, **flags)
-        upd_cfg = dict(G=cfg["G"], MB=self.layout.block, FULL=self.full, **tile, **flags)
-        if cfg["maxnreg"] and self.multi_tensor:  # a CUDA launch option (the interpreter has none)
-            upd_cfg["maxnreg"] = cfg["maxnreg"]
         if self.multi_tensor:
+            warms = self._warm.pop(scaling, [])
+            precompile.wait_all(warms)
             g_table = self._grads.update(self.sources, self.grads)
-            p_t, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t = self._tables
-            if self.stats_work is not None:
-                module.turbo_adam_stats_kernel[(self.stats_work.shape[0],)](
-                    self.stats_work, self.meta, g_table, row_t, col_t, rn_t, cn_t, self.workspace,
-                    self.stats_done, self.band_done, self.stripe_done, self.mean, *stats_tail,
-                    **stats_cfg)  # fmt: skip
-            tel = self.telemetries[0]
-            module.turbo_adam_kernel[(self.work.shape[0],)](
-                self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t, self.workspace,
-                self.steps, self.done, self.mean, tel.launch, lr_t, gs, fi, tel.amax_slots, tel.clip, *upd,
-                **upd_cfg)  # fmt: skip
+            for kernel, grid, args, kwargs in self._launches(scaling, g_table, self.lr(lr), gs, fi, upd):
+                kernel[grid](*args, **kwargs)
             return
+        module = self.kernels(scaling)
+        stats_cfg, upd_cfg = self._launch_configs()
+        stats_tail = (gs, fi, b2, 1.0 - b2)
+        lr_t = self.lr(lr)
         for t, g in enumerate(self.grads()):  # the interpreter: one tensor per launch, as tensor 0
             p, m, ms, v, vb, row, col, rn, cn = (ts[t] for ts in self._pointers)
             meta, step, done, mean = self.meta[t:], self.steps[t:], self.done[t:], self.mean[t:]
@@ -241,6 +232,44 @@ class TurboLaunch:
             module.turbo_adam_kernel[(work.shape[0],)](
                 work, meta, p, g, m, ms, v, vb, row, col, rn, cn, self.workspace, step, done, mean, tel.launch, lr_t,
                 gs, fi, tel.amax_slots, tel.clip, *upd, **upd_cfg)  # fmt: skip
+
+    def _launch_configs(self) -> tuple[dict, dict]:
+        """The stats launch's and the update launch's compile-time options."""
+        cfg = self.config
+        flags = dict(ALIGNED=self.aligned, INT64=self.int64)
+        stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS, **flags)
+        upd_cfg = dict(G=cfg["G"], MB=self.layout.block, FULL=self.full, ROWS=cfg["ROWS"], num_warps=cfg["num_warps"],
+                       **flags)  # fmt: skip
+        if cfg["maxnreg"] and self.multi_tensor:  # a CUDA launch option (the interpreter has none)
+            upd_cfg["maxnreg"] = cfg["maxnreg"]
+        return stats_cfg, upd_cfg
+
+    def _launches(self, scaling: bool, g_table, lr_t, gs, fi, upd: tuple) -> list[tuple]:
+        """(kernel, grid, args, kwargs) of the multi-tensor launches of one step: the stats launch
+        where v is factored, then the update launch. ``upd``: the update's float scalars."""
+        module = self.kernels(scaling)
+        stats_cfg, upd_cfg = self._launch_configs()
+        p_t, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t = self._tables
+        tel = self.telemetries[0]
+        out = []
+        if self.stats_work is not None:
+            out.append((module.turbo_adam_stats_kernel, (self.stats_work.shape[0],),
+                        (self.stats_work, self.meta, g_table, row_t, col_t, rn_t, cn_t, self.workspace,
+                         self.stats_done, self.band_done, self.stripe_done, self.mean, gs, fi, upd[0], upd[2]),
+                        stats_cfg))  # fmt: skip
+        out.append((module.turbo_adam_kernel, (self.work.shape[0],),
+                    (self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t,
+                     self.workspace, self.steps, self.done, self.mean, tel.launch, lr_t, gs, fi, tel.amax_slots,
+                     tel.clip, *upd), upd_cfg))  # fmt: skip
+        return out
+
+    def _precompile(self) -> None:
+        """Queue both variants' launches (with and without GradScaler's tensors) for their background
+        compile (precompile.py): a dtype stands for the lr buffer, zeros for the floats."""
+        upd = (0.0,) * 9
+        for scaling in (False, True):
+            launches = self._launches(scaling, self._grads.table, torch.float32, self._one, self._zero, upd)
+            self._warm[scaling] = precompile.warm_launches(launches, self.device)
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| of this launch's tensors (0-d fp32, no sync)."""

@@ -1,0 +1,59 @@
+"""GPU tier for the background compiles (optimizers/shared/precompile.py): each optimizer queues
+its kernels when it is built, every queued compile succeeds (a failed one would be dropped
+silently and compiled again at the step), and the first steps are bitwise those of the same
+optimizer built with precompiling off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_factory.optimizers import Adafactor, AdamMini, AdamW, Muon, TurboAdam
+from kernel_factory.optimizers.shared import precompile
+from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes
+
+pytestmark = pytest.mark.gpu
+# a GQA Llama-style list: TurboAdam compresses its matrices (>= 4096 elements), Muon takes
+# square and rectangular batches, AdamMini its heads and rows
+GEOMETRY = dict(dim=128, n_heads=4, n_kv_heads=2)
+SHAPES = llama_param_shapes(layers=2, ffn=384, vocab=512, **GEOMETRY)
+BUILDERS = {
+    "adamw": lambda m: AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
+    "adafactor": lambda m: Adafactor(m.parameters(), lr=1e-2),
+    "turbo_adam": lambda m: TurboAdam(m.parameters(), lr=1e-3, weight_decay=0.1),
+    "muon": lambda m: Muon(m.named(), lr=2e-2),
+    "adam_mini": lambda m: AdamMini(m.named(), lr=1e-3, weight_decay=0.1, **GEOMETRY),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_kernels_compile_ahead_and_the_steps_are_unchanged(name, dtype, monkeypatch):
+    queued = []
+    real = precompile.warm
+
+    def recording(*args, **kwargs):
+        handle = real(*args, **kwargs)
+        queued.append(handle._future)
+        return handle
+
+    monkeypatch.setattr(precompile, "warm", recording)
+    ahead = ShapeModel(SHAPES, dtype, "cuda")
+    opt_ahead = BUILDERS[name](ahead)
+    assert queued and all(f is not None for f in queued)
+    for future in queued:
+        future.result(timeout=600)  # raises a failed compile's error
+    monkeypatch.setenv("KERNEL_FACTORY_PRECOMPILE", "0")
+    queued.clear()
+    plain = ShapeModel(SHAPES, dtype, "cuda")
+    opt_plain = BUILDERS[name](plain)
+    assert not queued
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(3):
+        for p, q in zip(ahead.parameters(), plain.parameters(), strict=True):
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
+            q.grad = p.grad.clone()
+        opt_ahead.step()
+        opt_plain.step()
+    for p, q in zip(ahead.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
