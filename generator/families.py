@@ -104,11 +104,17 @@ NEWTON_SCHULZ = KernelFamily(
         # The product of an iteration a config is tuned for: X Xᵀ, c A Aᵀ + b A + a I, B X. The
         # template renders all three kernels whatever its value; it only keys the cache.
         "product": ("gram", "poly", "update"),
+        # The batch's short side m as a power of two, clamped to 1024..8192
+        # (newton_schulz_launch.side_class); like product, it only keys the cache. With the work
+        # alone, one 2048 x 8192 matrix took the config of the 134M list's joint batch (the same
+        # FLOP bucket) and 2048^2 that of 48 x 768^2: their Gram tiles are few and long there.
+        "side": (1024, 2048, 4096, 8192),
     },
-    tuning_axes=("dtype", "product"),
+    tuning_axes=("dtype", "product", "side"),
     # FLOPs of one iteration of the batch (newton_schulz_launch.iteration_flops): 1024^2, 48 x 768^2,
-    # 36 x 768 x 2048, 4096^2, 8192^2 (optimizers/muon/newton_schulz_tune.py)
-    tune_sizes=(1 << 33, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
+    # 36 x 768 x 2048 (side 1024); 2048^2, 2048 x 8192 (side 2048); 4096^2; 8192^2
+    # (optimizers/muon/newton_schulz_tune.py)
+    tune_sizes=(1 << 33, 1 << 36, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
     # impl: the classic kernels, the hopper ones (TMA, persistent, pipelined across tiles; sm90 and up)
     # or torch's matmuls (cuBLAS), whichever the tuner measured fastest for the size. Default:
     # classic with 128 x 256 tiles, the fastest of six configs tried at 4096^2 and 8192^2 on the

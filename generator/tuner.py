@@ -251,12 +251,17 @@ def _bar(total: int):
     return tqdm(total=total, desc="tuning", unit="trial")
 
 
+def key_name(task: TuningTask) -> str:
+    """The cache key a task tunes, as the report prints it: family, variant, dtype, bucket."""
+    return " ".join(str(k) for k in _cache_key(task))
+
+
 def report(results: Sequence[KeyResult]) -> str:
     """Per key: default vs tuned p50 (ms), % of floor, speedup, trials and failures."""
     lines = [f"{'key':<62} {'default ms':>10} {'tuned ms':>9} {'% floor':>8} {'speedup':>8} {'trials':>6}  failures"]
     for r in results:
         t = r.task
-        key = f"{t.family.name} {t.variant} {t.dtype} {size_bucket(t.numel)}"
+        key = key_name(t)
         if r.best is None:
             dashes = " ".join(f"{'-':>{w}}" for w in (10, 9, 8, 8))
             lines.append(f"{key:<62} {dashes} {r.trials:>6}  {dict(r.failures)} (no winner)")

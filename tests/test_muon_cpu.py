@@ -181,13 +181,32 @@ def test_same_shape_matrices_and_transposes_are_orthogonalized_in_one_call(monke
     assert sorted(calls) == [(2, 32, 64), (2, 32, 96), (3, 32, 32)]  # tall ones join their transposes
 
 
-def test_newton_schulz_tune_sizes_are_the_buckets_of_its_workloads():
-    # ns_config keys the cache by one iteration's FLOPs: each workload needs a bucket of its own
-    # (by elements, 36 x 768 x 2048 and 8192^2 shared one).
+def test_newton_schulz_workloads_each_tune_a_key_of_their_own():
+    # ns_config keys the cache by one iteration's FLOPs and the short side: each workload needs a
+    # key of its own (by elements, 36 x 768 x 2048 and 8192^2 shared one; by FLOPs alone,
+    # 2048 x 8192 and the 134M list's joint batch)
     from kernel_factory.generator import NEWTON_SCHULZ
-    from kernel_factory.optimizers.muon.newton_schulz_launch import iteration_flops
-    from kernel_factory.optimizers.muon.newton_schulz_tune import WORKLOADS
+    from kernel_factory.optimizers.muon.newton_schulz_launch import iteration_flops, side_class
+    from kernel_factory.optimizers.muon.newton_schulz_tune import WORKLOADS, workload_key
 
-    assert sorted(WORKLOADS) == sorted(NEWTON_SCHULZ.tune_sizes) and len(WORKLOADS) == 5
-    for shapes in WORKLOADS.values():  # a joint workload is keyed by its batch with the most work
+    keys = [workload_key(shapes) for shapes in WORKLOADS]
+    assert len(set(keys)) == len(WORKLOADS) == 7
+    assert sorted({bucket for _, bucket in keys}) == sorted(NEWTON_SCHULZ.tune_sizes)
+    assert {side for side, _ in keys} == set(NEWTON_SCHULZ.axes["side"])
+    assert [side_class(m) for m in (1, 768, 1024, 1025, 2048, 4096, 11008, 16384)] == \
+        [1024, 1024, 1024, 2048, 2048, 4096, 8192, 8192]  # fmt: skip
+    for shapes in WORKLOADS:  # a joint workload is keyed by its batch with the most work
         assert shapes[0] == max(shapes, key=lambda shape: iteration_flops(*shape))
+
+
+def test_ns_config_keys_by_short_side_and_work(monkeypatch):
+    from kernel_factory.optimizers.muon import newton_schulz_launch as ns
+
+    asked = []
+    monkeypatch.setattr(ns, "select", lambda family, arch, variant, dtype, work: asked.append((dict(variant), work))
+                        or {})  # fmt: skip
+    ns.ns_config(torch.zeros(2048, 8192, dtype=torch.bfloat16))
+    ns.ns_config(torch.zeros(36, 768, 2048, dtype=torch.bfloat16))
+    assert [v["product"] for v, _ in asked] == ["gram", "poly", "update"] * 2
+    # the same FLOP bucket (2^38), told apart by the side
+    assert {(v["side"], ns.size_bucket(w)) for v, w in asked} == {(2048, 1 << 38), (1024, 1 << 38)}

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, interpreter_enabled, load, select
+from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, interpreter_enabled, load, select, size_bucket
 
 TRITON_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -66,19 +66,29 @@ def per_product(config: Mapping) -> dict[str, Mapping]:
     return dict(config)
 
 
+def side_class(m: int) -> int:
+    """The cache's shape key of a batch (B, m, n), m <= n (the family's ``side`` axis): m as the
+    next power of two, clamped to the axis's 1024..8192."""
+    sides = NEWTON_SCHULZ.axes["side"]
+    return min(max(size_bucket(m), sides[0]), sides[-1])
+
+
 def ns_config(x: Tensor) -> dict[str, Mapping]:
     """The tuned config of each product (``PRODUCTS``) for x ((m, n) or (B, m, n), m <= n): by its
-    dtype and work (the family default on CPU)."""
+    dtype, short side and work (the family default on CPU)."""
     device = _device(x)
     arch = "cpu" if device.type == "cpu" else detect_arch(device)
     dtype = TRITON_DTYPES[x.dtype]
     # Keyed by the work of the whole batch, which tells the batches of Muon apart: the elements
     # alone do not (36 of 768 x 2048 is as many as one 8192^2), and how many tiles a tile size
-    # gives matters as much as the matrix size (one 1024^2 wants small tiles, 48 of 768^2 large).
+    # gives matters as much as the matrix size (one 1024^2 wants small tiles, 48 of 768^2 large);
+    # and by the short side, which sets the Gram product's tiles and their length (side_class).
     # Each product has its own config: at 48 x 768^2 the Gram product runs fastest on the
     # classic kernels and the update on the hopper ones (H200).
     work = iteration_flops(*x.shape) if x.dim() == 3 else iteration_flops(1, *x.shape)
-    return {product: select(NEWTON_SCHULZ, arch, NEWTON_SCHULZ.variant(dtype=dtype, product=product), dtype, work)
+    side = side_class(x.shape[-2])
+    return {product: select(NEWTON_SCHULZ, arch, NEWTON_SCHULZ.variant(dtype=dtype, product=product, side=side),
+                            dtype, work)
             for product in PRODUCTS}  # fmt: skip
 
 

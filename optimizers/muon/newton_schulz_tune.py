@@ -2,13 +2,14 @@
 Muon and users hand over.
 
 Used by ``python -m kernel_factory.optimizers.tune --families newton_schulz``. Each task is one
-product (X Xᵀ, c A Aᵀ + b A + a I, Bm X; the family's ``product`` axis) at one size bucket (FLOPs
-of one iteration of the batch with the most work, ``iteration_flops``): a single 1024^2, 4096^2
-and 8192^2 matrix, the 48 attention matrices (768 x 768) of the 134M Llama-style list, and its 36
-MLP matrices (768 x 2048, tall ones transposed) with the 48 attention ones in the same launches,
-as Muon's step runs them. The products are tuned apart because they want different kernels. A
-trial checks the product against torch's bf16 matmuls on fresh inputs and times the replay of a
-CUDA graph of one launch (of each batch, for torch's matmuls).
+product (X Xᵀ, c A Aᵀ + b A + a I, Bm X; the family's ``product`` axis) at one key: the short side
+and the size bucket (FLOPs of one iteration, ``iteration_flops``) of the batch with the most work.
+The workloads: a single 1024^2, 2048^2, 2048 x 8192, 4096^2 and 8192^2 matrix, the 48 attention
+matrices (768 x 768) of the 134M Llama-style list, and its 36 MLP matrices (768 x 2048, tall ones
+transposed) with the 48 attention ones in the same launches, as Muon's step runs them. The
+products are tuned apart because they want different kernels. A trial checks the product against
+torch's bf16 matmuls on fresh inputs and times the replay of a CUDA graph of one launch (of each
+batch, for torch's matmuls).
 """
 
 from __future__ import annotations
@@ -19,18 +20,28 @@ from kernel_factory.generator import NEWTON_SCHULZ, size_bucket
 from kernel_factory.generator.timing import matmul_tflops
 
 from .newton_schulz import NS5_COEFFICIENTS
-from .newton_schulz_launch import PRODUCTS, iteration_flops, symmetric_product, update_output, update_product
+from .newton_schulz_launch import (
+    PRODUCTS,
+    iteration_flops,
+    side_class,
+    symmetric_product,
+    update_output,
+    update_product,
+)
 
-# The batches (batch, m, n), m <= n, of each tune size of the family: size_bucket(iteration_flops)
-# of the first, the one with the most work, which is the batch whose config a joint launch takes
-# (joint_newton_schulz). The 36 x 768 x 2048 key is run as Muon's step runs it, with the 48 x 768^2
-# batch in the same launches: alone, cuBLAS ran that batch's update in 139 µs against the hopper
-# kernel's 148 on the H200, which says nothing of the joint launch the key is used for (allows).
-WORKLOADS = {
-    size_bucket(iteration_flops(*shapes[0])): shapes
-    for shapes in (((1, 1024, 1024),), ((1, 4096, 4096),), ((48, 768, 768),), ((36, 768, 2048), (48, 768, 768)),
-                   ((1, 8192, 8192),))
-}  # fmt: skip
+# The batches (batch, m, n), m <= n, of each tuned key of the family: the short side and
+# size_bucket(iteration_flops) of the first, the one with the most work, which is the batch whose
+# config a joint launch takes (joint_newton_schulz, ns_config). The 36 x 768 x 2048 key is run as
+# Muon's step runs it, with the 48 x 768^2 batch in the same launches: alone, cuBLAS ran that
+# batch's update in 139 µs against the hopper kernel's 148 on the H200, which says nothing of the
+# joint launch the key is used for (allows).
+WORKLOADS = (((1, 1024, 1024),), ((48, 768, 768),), ((36, 768, 2048), (48, 768, 768)), ((1, 2048, 2048),),
+             ((1, 2048, 8192),), ((1, 4096, 4096),), ((1, 8192, 8192),))  # fmt: skip
+
+
+def workload_key(shapes: tuple[tuple[int, int, int], ...]) -> tuple[int, int]:
+    """(side, size bucket) of a workload: the cache key its tasks tune (ns_config's)."""
+    return side_class(shapes[0][1]), size_bucket(iteration_flops(*shapes[0]))
 TOL = 1e-2  # one bf16 product: its output rounded to 8 bits, its fp32 sums in another order
 
 
@@ -57,9 +68,9 @@ class NewtonSchulzTuningTask:
         self.shapes, self.product, self.device = shapes, product, device
         self.a, self.b, self.c = NS5_COEFFICIENTS
         self.inputs = self._inputs()
-        self.variant = NEWTON_SCHULZ.tuning_key(NEWTON_SCHULZ.variant(dtype="bfloat16", product=product))
+        side, self.numel = workload_key(shapes)  # the cache's keys (ns_config)
+        self.variant = NEWTON_SCHULZ.tuning_key(NEWTON_SCHULZ.variant(dtype="bfloat16", product=product, side=side))
         self.dtype = "bfloat16"
-        self.numel = size_bucket(iteration_flops(*shapes[0]))  # the cache's size key (ns_config)
         flops = sum(symmetric_flops(product, *shape) for shape in shapes)
         self.floor_ms = flops / (tflops * 1e12) * 1e3 if tflops else None
         self.config = None
@@ -122,5 +133,4 @@ def newton_schulz_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> lis
     """One task per product and tune size (bf16 only: the fp32 variant exists for the interpreter)."""
     del dtypes, bandwidth_tbs  # compute-bound; the floor comes from the measured matmul rate
     tflops = matmul_tflops(device=device)
-    return [NewtonSchulzTuningTask(WORKLOADS[size], product, device, tflops)
-            for size in NEWTON_SCHULZ.tune_sizes for product in PRODUCTS]  # fmt: skip
+    return [NewtonSchulzTuningTask(shapes, product, device, tflops) for shapes in WORKLOADS for product in PRODUCTS]
