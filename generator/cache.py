@@ -149,10 +149,11 @@ def select(
     config = _selected.get(key)
     if config is not None:
         return config
+    near = {a: int(variant[a]) for a in family.nearest_axes}
     candidates = [
         e
         for e in load_entries(arch)
-        if e["family"] == family.name and e["variant"] == tkey and e["dtype"] == dtype
+        if e["family"] == family.name and e["dtype"] == dtype and _same_variant(e["variant"], tkey, near)
     ]
     own = [e for e in candidates if e["device"] == device]
     if candidates and not own and device is not None:  # one warning for all families
@@ -163,7 +164,8 @@ def select(
     candidates = own or sorted(candidates, key=lambda e: str(e["device"]))  # another GPU's: a fixed order
     config = None
     if candidates:
-        best = min(candidates, key=lambda e: abs(math.log2(int(e["bucket"])) - math.log2(bucket)))
+        best = min(candidates, key=lambda e: (abs(math.log2(int(e["bucket"])) - math.log2(bucket)),
+                                              _distance(e["variant"], near)))  # fmt: skip
         try:
             config = family.check_config(best["config"])
         except (ValueError, TypeError) as exc:
@@ -178,6 +180,25 @@ def select(
         config = family.default_config
     _selected[key] = config
     return config
+
+
+def _fields(tkey: str) -> dict[str, str]:
+    """A tuning key's axis values: "a=1,b=x" -> {"a": "1", "b": "x"}."""
+    return dict(part.split("=", 1) for part in tkey.split(",") if part)
+
+
+def _same_variant(entry_key: str, tkey: str, near: Mapping[str, int]) -> bool:
+    """Whether an entry's tuning key matches ``tkey`` on every axis but the ``near`` ones."""
+    if not near:
+        return entry_key == tkey
+    mine, theirs = _fields(tkey), _fields(entry_key)
+    return mine.keys() == theirs.keys() and all(theirs[a] == v for a, v in mine.items() if a not in near)
+
+
+def _distance(entry_key: str, near: Mapping[str, int]) -> float:
+    """How far an entry's ``near`` axes are from the looked-up values, in octaves."""
+    fields = _fields(entry_key)
+    return sum(abs(math.log2(int(fields[a])) - math.log2(v)) for a, v in near.items())
 
 
 def write_cache_file(path: Path, data: dict) -> None:

@@ -105,12 +105,16 @@ NEWTON_SCHULZ = KernelFamily(
         # template renders all three kernels whatever its value; it only keys the cache.
         "product": ("gram", "poly", "update"),
         # The batch's short side m as a power of two, clamped to 1024..8192
-        # (newton_schulz_launch.side_class); like product, it only keys the cache. With the work
-        # alone, one 2048 x 8192 matrix took the config of the 134M list's joint batch (the same
-        # FLOP bucket) and 2048^2 that of 48 x 768^2: their Gram tiles are few and long there.
+        # (newton_schulz_launch.side_class); like product, it only keys the cache, matched as the
+        # nearest tuned side among the entries nearest in work (nearest_axes). With the work alone,
+        # one 2048 x 8192 matrix took the config of the 134M list's joint batch (the same FLOP
+        # bucket): 0.84x torch's matmuls on the H200, 1.08x with its own. Matched exactly, a
+        # side-2048 joint batch of 2^43 FLOPs (Llama-3.2-1B's MLP matrices) took the single
+        # 2048 x 8192 matrix's config (2^38), and Muon's step on that model went from 60 to 79 ms.
         "side": (1024, 2048, 4096, 8192),
     },
     tuning_axes=("dtype", "product", "side"),
+    nearest_axes=("side",),
     # FLOPs of one iteration of the batch (newton_schulz_launch.iteration_flops): 1024^2, 48 x 768^2,
     # 36 x 768 x 2048 (side 1024); 2048^2, 2048 x 8192 (side 2048); 4096^2; 8192^2
     # (optimizers/muon/newton_schulz_tune.py)

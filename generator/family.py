@@ -41,6 +41,8 @@ class KernelFamily:
     (e.g. ``maximize``) share the config of the variant they differ from.
     ``is_legal(config)`` is the single legality predicate. ``tune_sizes`` are the work sizes
     (elements per launch) the tuner measures; lookups in between take the nearest bucket.
+    ``nearest_axes``: tuning axes of powers of two that a lookup matches by nearness, after the
+    bucket (a tie-break between entries as near in work), rather than exactly.
     """
 
     name: str
@@ -52,6 +54,7 @@ class KernelFamily:
     tune_sizes: tuple[int, ...] = ()  # work per launch (elements) the tuner measures at
     description: str = ""
     seed_configs: tuple[Config, ...] = ()  # legal configs every study tries (after the default)
+    nearest_axes: tuple[str, ...] = ()
     _default: Config = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class KernelFamily:
         unknown = set(self.tuning_axes) - set(self.axes)
         if unknown:
             raise ValueError(f"family {self.name}: tuning_axes {sorted(unknown)} are not axes")
+        if set(self.nearest_axes) - set(self.tuning_axes):
+            raise ValueError(f"family {self.name}: nearest_axes {sorted(self.nearest_axes)} must be tuning axes")
 
     @property
     def default_config(self) -> Config:

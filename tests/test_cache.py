@@ -174,3 +174,25 @@ def test_merge_keeps_other_gpus_entries(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert {(e["device"], e["config"]["BLOCK"]) for e in data["entries"]} == {("GPU A", 256), ("GPU B", 1024)}
     assert data["environment"] == {"gpu": "GPU B"}
+
+
+def test_a_nearest_axis_breaks_ties_between_buckets_equally_near(arch_files):
+    # newton_schulz's side: the entry nearest in work first, then the nearest side
+    from kernel_factory.generator import NEWTON_SCHULZ
+
+    packaged, _ = arch_files
+
+    def entry(side, bucket, group_m):  # GROUP_M tells the entries apart
+        variant = NEWTON_SCHULZ.variant(product="gram", side=side)
+        return {"family": "newton_schulz", "variant": NEWTON_SCHULZ.tuning_key(variant), "dtype": "bfloat16",
+                "bucket": bucket, "config": dict(NEWTON_SCHULZ.default_config, GROUP_M=group_m)}  # fmt: skip
+
+    _write(packaged, [entry(1024, 1 << 38, 1), entry(2048, 1 << 38, 4), entry(8192, 1 << 42, 8)],
+           hashes={"newton_schulz": template_hash(NEWTON_SCHULZ)})  # fmt: skip
+    pick = lambda side, work: cache.select(NEWTON_SCHULZ, "smtest", NEWTON_SCHULZ.variant(product="gram", side=side),
+                                           "bfloat16", work)["GROUP_M"]  # fmt: skip  # noqa: E731
+    assert pick(2048, 1 << 38) == 4 and pick(1024, 1 << 38) == 1  # same work: the side decides
+    assert pick(2048, 1 << 43) == 8 and pick(1024, 1 << 41) == 8  # the work first
+    assert pick(4096, 1 << 38) == 4  # 2048 is nearer 4096 than 1024
+    with pytest.warns(RuntimeWarning, match="no tuned"):  # other axes still match exactly
+        cache.select(NEWTON_SCHULZ, "smtest", NEWTON_SCHULZ.variant(product="poly", side=2048), "bfloat16", 1 << 38)
