@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.reporting import write_report
+
 DEFAULT = ",".join(f"kernel_factory_{name}" for name in ("adamw", "adam_mini", "muon", "turbo_adam", "adafactor"))
 RESULTS = Path(__file__).resolve().parent / "results" / "cold_start"
 
@@ -113,9 +115,7 @@ def main(argv=None) -> int:
         cells = [f"{r[k]:.3f}" for k in ("build_cold_s", "first_step_cold_s", "first_step_cold_later_s",
                                          "build_warm_s", "first_step_warm_s", "first_step_warm_later_s")]  # fmt: skip
         lines.append(f"| {r['optimizer']} | {' | '.join(cells)} | {r['steady_step_s']:.4f} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cold_start.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out / "cold_start.md", lines)
     return 0
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.reporting import write_report
+
 RESULTS = Path(__file__).resolve().parent / "results" / "held_out"
 NS_SHAPE = (1, 4096, 11008)
 ADAMW_SHAPES = "qwen2_5_0_5b"
@@ -88,9 +90,7 @@ def main(argv=None) -> int:
             f"--seconds {args.seconds:g} --rounds {args.rounds}`")  # fmt: skip
     lines = [head, "", "| key | borrowed ms | tuned ms | borrowed slower by | within 5% | trials |",
              "|---|---:|---:|---:|---|---:|", *rows]  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "held_out.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out / "held_out.md", lines)
     return 0
 
 

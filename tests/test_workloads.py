@@ -72,3 +72,18 @@ def test_the_bench_table_has_a_first_step_column_where_it_was_measured(monkeypat
     assert table[2].endswith("| first step, empty caches (s) |")
     assert table[4].endswith("| 2.35 |") and table[5].endswith("| n/a |")
     assert (tmp_path / "bench.csv").read_text().splitlines()[1].endswith(",2.345")
+
+
+def test_the_cold_start_table_has_a_column_for_each_run(monkeypatch, tmp_path, capsys):
+    from benchmarks import cold_start
+
+    keys = ("build_cold_s", "first_step_cold_s", "first_step_cold_later_s", "build_warm_s", "first_step_warm_s",
+            "first_step_warm_later_s", "steady_step_s")  # fmt: skip
+    monkeypatch.setattr(cold_start, "measure", lambda name, shapes, dtype, gap: dict(
+        optimizer=name, **{k: i + 0.5 for i, k in enumerate(keys)}))  # fmt: skip
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "GPU")
+    assert cold_start.main(["--optimizers", "kernel_factory_adamw", "--gap", "2", "--out", str(tmp_path / "c")]) == 0
+    table = (tmp_path / "c" / "cold_start.md").read_text().splitlines()
+    assert "first step 2 s after build, warm caches" in table[2] and table[2].count("|") == 9
+    assert table[4] == "| kernel_factory_adamw | 0.500 | 1.500 | 2.500 | 3.500 | 4.500 | 5.500 | 6.5000 |"
+    assert table[4] in capsys.readouterr().out
