@@ -7,8 +7,8 @@ the winner of a study of that very key, timed alternately in one process.
 Held out:
 - Newton–Schulz on one 4096 x 11008 matrix (Llama-2-7B's MLP weights): side 4096, FLOP bucket
   2^40, between the tuned 4096^2 (2^39) and 8192^2 (2^42); each product (Gram, poly, update).
-- AdamW on the Qwen2.5-0.5B list (494M parameters, bucket 2^29) with fp32 and bf16 params, whose
-  config comes from the 134M list's bucket (2^27).
+- AdamW on a 258M-parameter Llama-style list (d = 1024, 15 layers, ffn 2816; bucket 2^28, between
+  the 134M list's 2^27 and Qwen2.5-0.5B's 2^29) with fp32 and bf16 params.
 
 A study runs ``--trials`` configs within ``--seconds`` (the default, the family's seeds and the
 borrowed config first, as ``nox -s tune`` starts from the nearest cached entry); then the borrowed
@@ -27,7 +27,7 @@ from benchmarks.reporting import write_report
 
 RESULTS = Path(__file__).resolve().parent / "results" / "held_out"
 NS_SHAPE = (1, 4096, 11008)
-ADAMW_SHAPES = "qwen2_5_0_5b"
+ADAMW_MODEL = dict(dim=1024, layers=15, ffn=2816, vocab=32000, n_heads=16)  # workloads.llama_param_shapes
 
 
 def _tasks(bandwidth: float, tflops: float):
@@ -35,15 +35,15 @@ def _tasks(bandwidth: float, tflops: float):
     from kernel_factory.optimizers.adamw.tune import AdamWTuningTask
     from kernel_factory.optimizers.muon.newton_schulz_launch import PRODUCTS, ns_config
     from kernel_factory.optimizers.muon.newton_schulz_tune import NewtonSchulzTuningTask
-    from kernel_factory.optimizers.shared.workloads import SHAPE_SETS
+    from kernel_factory.optimizers.shared.workloads import llama_param_shapes
 
     for product in PRODUCTS:
         task = NewtonSchulzTuningTask((NS_SHAPE,), product, "cuda", tflops)
         yield task, dict(ns_config(task.inputs[0][0])[product])
-    shapes = [s for _, s in SHAPE_SETS[ADAMW_SHAPES]]
+    shapes = [s for _, s in llama_param_shapes(**ADAMW_MODEL)]
     for dtype in (torch.float32, torch.bfloat16):
         task = AdamWTuningTask(shapes, dtype, "cuda", bandwidth_tbs=bandwidth)
-        yield task, dict(task.bucket.config)  # what the plan's lookup gave
+        yield task, task.looked_up_config()
 
 
 def _alternate(task, timer, configs: dict[str, dict], rounds: int) -> dict[str, float]:
@@ -82,8 +82,7 @@ def main(argv=None) -> int:
         rows.append(f"| {key_name(task)} | {ms['borrowed']:.4f} | {ms['tuned']:.4f} | {gap:+.1f}% | "
                     f"{'yes' if gap <= 5 else 'no'} | {study.trials} |")  # fmt: skip
         print(rows[-1], flush=True)
-        del task
-        torch.cuda.empty_cache()
+        getattr(task, "release", lambda: None)()
     head = (f"Held-out keys on {torch.cuda.get_device_name()}, torch {torch.__version__}: the config the lookup "
             f"gives vs a study of the key ({args.trials} trials, {args.seconds:g} s), timed alternately "
             f"{args.rounds} times (median p50). Command: `python -m benchmarks.held_out --trials {args.trials} "

@@ -33,8 +33,10 @@ ADAMW = KernelFamily(
         "grad_scaling": (False, True),  # in-kernel unscale and skip-on-inf
     },
     tuning_axes=("multi_tensor", "state_dtype", "amsgrad"),
-    # One 4096x1024 tensor, and the 134M-parameter Llama-style list (bucket 2^27).
-    tune_sizes=(1 << 22, 1 << 27),
+    # One 4096x1024 tensor, and the parameter lists of the 134M Llama-style list (bucket 2^27),
+    # Qwen2.5-0.5B (2^29), four layers of Llama-2-7B (2^30) and Llama-3.2-1B (2^31)
+    # (optimizers/adamw/tune.py).
+    tune_sizes=(1 << 22, 1 << 27, 1 << 29, 1 << 30, 1 << 31),
     # Default: the best of a grid sweep on the H200 (134M fp32 list; BLOCK 512-4096, CHUNK
     # 2048-32768, 4 or 8 warps), 94% of the copy-bandwidth floor; the Optuna tune kept it there.
     tunables=(

@@ -50,7 +50,8 @@ class TuningTask(Protocol):
     the family's reference; ``tol`` is the largest acceptable error. A task may also set
     ``graph_replayed = True``: time the replay of a CUDA graph of ``run`` (timing.restoring_timer),
     and define ``allows(config)``: False prunes a config the family allows but the task's user
-    cannot run well."""
+    cannot run well, and ``release()``: called once its study is over, it frees the workload
+    (the tasks of a run are built up front; a large one allocates when first used)."""
 
     family: KernelFamily
     variant: str  # the family's tuning key of the structural variant
@@ -235,6 +236,9 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
         results.append(tune_task(task, arch, timer, trials=trials, seconds=seconds, storage=storage,
                                  progress=bar.update if bar else None, warm_start=prior.get(_cache_key(task)),
                                  final_rounds=final_rounds))  # fmt: skip
+        release = getattr(task, "release", None)  # a task may free its workload once studied
+        if release is not None:
+            release()
     if bar is not None:
         bar.close()
     winners = [r.entry() for r in results if r.best is not None]

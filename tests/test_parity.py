@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_factory.optimizers import AdamW
-from kernel_factory.optimizers.parity import compare_tensors, parity_check
+from kernel_factory.optimizers.parity import compare_tensors, parity_check, relative_error
 
 
 def _model():
@@ -54,3 +54,15 @@ def test_named_optimizers_get_name_parameter_pairs():
     assert report.passed and {r.what for r in report.rows} == {"param", "step", "exp_avg", "exp_avg_sq"}
     with pytest.raises(TypeError, match="named parameters"):
         parity_check(model, ReferenceAdamMini, ReferenceAdamMini, steps=1, **geometry)
+
+
+def test_relative_error_on_the_device_agrees_with_compare_tensors():
+    ref = torch.randn(1000, dtype=torch.float64).float()
+    cand = ref + 1e-4 * torch.randn(1000)
+    assert relative_error(cand, ref) == pytest.approx(compare_tensors("t", "x", cand, ref, 1.0).rel, rel=1e-6)
+    assert relative_error(ref.bfloat16(), ref) == pytest.approx(compare_tensors("t", "x", ref.bfloat16(), ref, 1.0).rel,
+                                                                rel=1e-6)  # fmt: skip
+    assert relative_error(ref, ref) == 0.0
+    assert relative_error(torch.zeros(3), torch.zeros(3)) == 0.0 and relative_error(torch.ones(3), torch.zeros(3)) > 0
+    cand[7] = float("nan")
+    assert relative_error(cand, ref) == float("inf")

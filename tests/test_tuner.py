@@ -202,3 +202,19 @@ def test_failure_types():
     assert classify(RuntimeError("CompilationError: bad")) == "compile"
     assert classify(Exception("OutOfResources: out of resource: shared memory")) == "out_of_resources"
     assert classify(ValueError("boom")) == "runtime"
+
+
+def test_an_adamw_task_knows_its_key_before_it_allocates_and_frees_its_workload(tmp_path):
+    from kernel_factory.generator.tuner import key_name
+    from kernel_factory.optimizers.adamw.tune import shapes_for
+
+    task = AdamWTuningTask(SHAPES, torch.bfloat16, "cpu", state_dtype="fp32")
+    key = key_name(task)
+    assert task.bucket is None and key == "adamw multi_tensor=False,state_dtype=float32,amsgrad=False bfloat16 512"
+    results = _tune(Recorder(task), tmp_path, trials=2)  # builds it (its variant checked), then releases it
+    assert results[0].best is not None and task.bucket is None and not task.params
+    assert task.check() <= task.tol and key_name(task) == key  # a later use allocates again
+    assert task.looked_up_config() == dict(ADAMW.default_config)  # nothing is tuned for the interpreter
+    # the model lists are the workloads of their buckets
+    assert len(shapes_for(1 << 27)) == 111 and len(shapes_for(1 << 31)) == 16 * 9 + 2
+    assert shapes_for(1 << 22) == [(4096, 1024)]

@@ -1,6 +1,9 @@
 """The AdamW tuning workloads: for each dtype and each of the family's tune sizes, a real launch
-plan (the 134M Llama-style list at the 2^27 bucket, one tensor below it) checked against the
-pure-PyTorch reference. Used by ``python -m kernel_factory.optimizers.tune --families adamw``.
+plan (the parameter list of a model at its bucket: the 134M Llama-style list at 2^27, Qwen2.5-0.5B
+at 2^29, four layers of Llama-2-7B at 2^30, Llama-3.2-1B at 2^31; one tensor at other sizes)
+checked against the pure-PyTorch reference. Used by ``python -m kernel_factory.optimizers.tune
+--families adamw``. A task allocates its tensors when first used and frees them in ``release()``,
+which the tuner calls after its study: the largest hold tens of gigabytes.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import torch
 
 from kernel_factory.generator import ADAMW, size_bucket
 
-from ..parity import compare_tensors
+from ..parity import relative_error
+from ..shared.buckets import TRITON_DTYPES
 from ..shared.tuning import InPlaceTask
 from ..shared.workloads import SHAPE_SETS
 from .optimizer import AdamW
@@ -22,13 +26,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Normwise tolerance of the parity gate: fp32 differs from the reference by rounding only;
 # bf16/fp16 storage rounds each step to 8/11 bits (see parity/matrix.py).
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+MODEL_LISTS = ("llama134m", "qwen2_5_0_5b", "llama2_7b_4layers", "llama3_2_1b")  # workloads.SHAPE_SETS
 
 
 def shapes_for(numel: int) -> list[tuple[int, ...]]:
-    """The workload at a tune size: the 134M list for its bucket, else one tensor."""
-    llama = [s for _, s in SHAPE_SETS["llama134m"]]
-    if size_bucket(sum(math.prod(s) for s in llama)) == numel:
-        return llama
+    """The workload at a tune size: the model list of that bucket, else one tensor."""
+    for name in MODEL_LISTS:
+        shapes = [s for _, s in SHAPE_SETS[name]]
+        if size_bucket(sum(math.prod(s) for s in shapes)) == numel:
+            return shapes
     return [(numel // 1024, 1024)] if numel >= 1024 else [(numel,)]
 
 
@@ -39,37 +45,71 @@ class AdamWTuningTask(InPlaceTask):
 
     def __init__(self, shapes, dtype: torch.dtype, device: str, state_dtype: str | None = None,
                  bandwidth_tbs: float | None = None, seed: int = 0) -> None:  # fmt: skip
-        gen = torch.Generator(device=device).manual_seed(seed)
-        self.params = [torch.randn(s, device=device, dtype=dtype, generator=gen) for s in shapes]
-        for p in self.params:
-            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
-        self.opt = AdamW(self.params, lr=1e-3, weight_decay=0.01, state_dtype=state_dtype)
-        self.opt.step()  # builds the plan and the state
-        (self.bucket,) = [b for plan in self.opt._plans.values() for b in plan.buckets]
-        if not isinstance(self.bucket, TritonBucket):
-            raise RuntimeError("AdamW tuning needs the Triton path (CUDA, or TRITON_INTERPRET=1 with "
-                               "KERNEL_FACTORY_BACKEND=triton)")  # fmt: skip
-        self.hyper = Hyper(self.opt.param_groups[0])
-        self.variant = ADAMW.tuning_key(ADAMW.variant(**self.bucket._variant))
-        self.dtype = self.bucket._variant["param_dtype"]
-        self.numel = size_bucket(sum(p.numel() for p in self.params))
-        state_bytes = self.bucket.exp_avgs[0].element_size()
-        moved = sum(p.numel() for p in self.params) * (3 * dtype.itemsize + 4 * state_bytes)
+        self.shapes, self.param_dtype, self.device = [tuple(s) for s in shapes], dtype, device
+        self.state_dtype, self.seed = state_dtype, seed
+        # The cache key, known before anything is allocated (the bucket's own is checked at build).
+        state = torch.float32 if state_dtype == "fp32" else dtype
+        self.variant = ADAMW.tuning_key(ADAMW.variant(multi_tensor=torch.device(device).type == "cuda",
+                                                      param_dtype=TRITON_DTYPES[dtype],
+                                                      state_dtype=TRITON_DTYPES[state]))  # fmt: skip
+        self.dtype = TRITON_DTYPES[dtype]
+        total = sum(math.prod(s) for s in self.shapes)
+        self.numel = size_bucket(total)
+        moved = total * (3 * dtype.itemsize + 4 * state.itemsize)
         self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
         self.tol = TOL[dtype]
+        self.bucket: TritonBucket | None = None
+
+    def _build(self) -> None:
+        """Allocate params, grads and the optimizer; build its plan and state with one step."""
+        if self.bucket is not None:
+            return
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        dtype = self.param_dtype
+        self.params = [torch.randn(s, device=self.device, dtype=dtype, generator=gen) for s in self.shapes]
+        for p in self.params:
+            p.grad = torch.randn(p.shape, device=self.device, dtype=dtype, generator=gen)
+        self.opt = AdamW(self.params, lr=1e-3, weight_decay=0.01, state_dtype=self.state_dtype)
+        self.opt.step()  # builds the plan and the state
+        (bucket,) = [b for plan in self.opt._plans.values() for b in plan.buckets]
+        if not isinstance(bucket, TritonBucket):
+            raise RuntimeError("AdamW tuning needs the Triton path (CUDA, or TRITON_INTERPRET=1 with "
+                               "KERNEL_FACTORY_BACKEND=triton)")  # fmt: skip
+        if ADAMW.tuning_key(ADAMW.variant(**bucket._variant)) != self.variant:
+            raise RuntimeError(f"AdamW tuning: the plan's variant {dict(bucket._variant)} is not {self.variant}")
+        self.bucket, self.hyper = bucket, Hyper(self.opt.param_groups[0])
+        self._looked_up = dict(bucket.config)
         self.snapshot(self._tensors())
+
+    def looked_up_config(self) -> dict:
+        """The config the optimizer's cache lookup gave this workload (allocates it)."""
+        self._build()
+        return self._looked_up
+
+    def release(self) -> None:
+        """Free the tensors (the tuner is done with this task); a later use allocates them again."""
+        self.bucket = self.opt = self.hyper = None
+        self.params, self._live, self._saved = [], [], []
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.empty_cache()
 
     def _tensors(self) -> list[torch.Tensor]:
         b = self.bucket
         return [*b.params, *b.exp_avgs, *b.exp_avg_sqs, *b.max_exp_avg_sqs, b.steps]
 
     def configure(self, config) -> None:
+        self._build()
         self.bucket.configure(config)
         self.run()  # compiles here, so compile failures are typed as such
         self._sync()
 
     def run(self) -> None:
+        self._build()
         self.bucket.run(self.hyper, None, None)
+
+    def restore(self) -> None:
+        self._build()
+        super().restore()
 
     def check(self) -> float:
         """Worst normwise relative error of one launch against the reference, on fresh grads."""
@@ -86,7 +126,7 @@ class AdamWTuningTask(InPlaceTask):
         self.run()
         self._sync()
         pairs = [*zip(b.params, ref_p, strict=True), *zip(b.exp_avgs, ref_m, strict=True)]
-        error = max(compare_tensors("t", "check", out, ref, self.tol).rel for out, ref in pairs)
+        error = max(relative_error(out, ref) for out, ref in pairs)
         self.restore()
         return error
 
