@@ -14,7 +14,10 @@ flushed before each call: `eager` is `opt.step()` as called (on small workloads 
 the host's time to issue the step), `graph` the replay of a CUDA graph of one step (device
 time; for the optimizers that can be captured: ours, and torch's built with capturable=True).
 `copy` is a torch copy of the same bytes as our AdamW step: the practical ceiling at that
-size. "% of floor" and "ours faster" use graph times where there are, else eager. Writes
+size. Muon's steps are bound by NS's matrix products: their floor is the symmetric products'
+FLOPs of five NS iterations over the list's hidden matrices at the bf16 matmul rate measured in
+the same run (``bench_newton_schulz.ns_floor_flops``; the elementwise work and the AdamW part
+left out). "% of floor" and "ours faster" use graph times where there are, else eager. Writes
 benchmarks/results/bench.{csv,md}; then benchmarks/bench_newton_schulz.py (NS5 and Muon).
 ``--cold-start`` adds each optimizer's first step in a new process with empty kernel caches
 (benchmarks/cold_start.py), on the first shape set and dtype.
@@ -31,9 +34,9 @@ import torch
 from benchmarks import bench_newton_schulz, cold_start
 from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
 from benchmarks.reporting import nox_command
-from kernel_factory.generator.timing import capture_graph, copy_bandwidth_tbs, time_ms
+from kernel_factory.generator.timing import capture_graph, copy_bandwidth_tbs, matmul_tflops, time_ms
 from kernel_factory.optimizers import AdamW
-from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS
+from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS, hidden_matrices
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,9 +99,21 @@ def measure(spec, shapes_name, dtype, rep_ms) -> dict:
                 graph_ms=graph)  # fmt: skip
 
 
-def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, list[dict]]:
+def ns_floor_ms(shapes_name: str, tflops: float) -> float:
+    """Five NS iterations' symmetric products over the hidden matrices of ``shapes_name`` at
+    ``tflops`` (ms): a Muon step's floor."""
+    flops = sum(bench_newton_schulz.ns_floor_flops(*s) for _, s in hidden_matrices(SHAPE_SETS[shapes_name]))
+    return flops / (tflops * 1e12) * 1e3
+
+
+def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, float | None, list[dict]]:
+    """(copy TB/s, bf16 matmul TFLOP/s where a Muon step is timed, else None, the rows)."""
     bw = copy_bandwidth_tbs(4 << 30)
     print(f"measured copy bandwidth: {bw:.3f} TB/s (read + write, 4 GiB)")
+    ns_floored = {s.name for s in specs if s.ns_floor}
+    tflops = matmul_tflops() if ns_floored else None
+    if tflops is not None:
+        print(f"measured bf16 matmul rate: {tflops:.0f} TFLOP/s (8192^3)")
     rows = []
     for shapes_name in shape_sets:
         for dname in dtypes:
@@ -113,13 +128,14 @@ def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, list[dict]]:
             for r in block:
                 r["ms"] = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
             for r in block:
-                r["floor_ms"] = r["numel"] * r["bytes_per_param"] / (bw * 1e12) * 1e3
+                r["floor_ms"] = (ns_floor_ms(shapes_name, tflops) if r["optimizer"] in ns_floored else
+                                 r["numel"] * r["bytes_per_param"] / (bw * 1e12) * 1e3)  # fmt: skip
                 r["pct_of_floor"] = 100 * r["floor_ms"] / r["ms"]
                 r["ours_faster"] = r["ms"] / ours["ms"] if ours is not None else float("nan")
                 print(f"{shapes_name:>17} {dname} {r['optimizer']:<34} {r['ms']:9.4f} ms {r['pct_of_floor']:5.1f}% "
                       f"of floor, state {r['state_bytes_per_param']:.2f} B/param")  # fmt: skip
             rows += block
-    return bw, rows
+    return bw, tflops, rows
 
 
 def add_cold_start(rows: list[dict], specs, shapes_name: str, dname: str) -> None:
@@ -132,7 +148,7 @@ def add_cold_start(rows: list[dict], specs, shapes_name: str, dname: str) -> Non
                 r["first_step_cold_s"] = first
 
 
-def write(bw, rows, notes, out: Path, command: str) -> None:
+def write(bw, rows, notes, out: Path, command: str, tflops: float | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = ["shapes", "dtype", "optimizer", "numel", "state_bytes_per_param", "bytes_per_param", "eager_ms",
               "graph_ms", "ms", "floor_ms", "pct_of_floor", "ours_faster", "first_step_cold_s"]  # fmt: skip
@@ -141,8 +157,9 @@ def write(bw, rows, notes, out: Path, command: str) -> None:
         w.writeheader()
         w.writerows(rows)
     fmt = lambda v, spec: "n/a" if v is None or v != v else format(v, spec)  # noqa: E731 (NaN != NaN)
+    rate = "" if tflops is None else f", bf16 matmul {tflops:.0f} TFLOP/s (the Muon rows' floor: NS's FLOPs)"
     lines = [f"Optimizer step on {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
-             f"{bw:.3f} TB/s measured in the same run. Command: `{command}`", "",
+             f"{bw:.3f} TB/s{rate} measured in the same run. Command: `{command}`", "",
              "| shapes | dtype | optimizer | state B/param | moved B/param | eager ms | graph ms | floor ms | "
              "% of floor | ours faster | first step, empty caches (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -184,10 +201,10 @@ def main(argv=None) -> int:
     for note in notes:
         print(note)
     if specs:
-        bw, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
+        bw, tflops, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
         if args.cold_start:
             add_cold_start(rows, specs, args.shapes.split(",")[0], args.dtypes.split(",")[0])
-        write(bw, rows, notes, args.out, nox_command("bench", argv))
+        write(bw, rows, notes, args.out, nox_command("bench", argv), tflops)
     if ns_shapes:
         bench_newton_schulz.run(ns_shapes, args.out, nox_command("bench", argv))
     return 0

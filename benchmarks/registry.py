@@ -39,6 +39,8 @@ class OptimizerSpec:
     # param-sized reads a step needs beyond one pass over p, g and the state (the floor's bytes):
     # Adafactor's three passes read g twice more and p once more
     extra_reads: int = 0
+    # a Muon step, bound by NS's matrix products: its floor is their FLOPs at the matmul rate
+    ns_floor: bool = False
 
     def missing(self, device: str) -> str | None:
         """Why this optimizer cannot run here, or None."""
@@ -177,8 +179,8 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       capturable=True),
         OptimizerSpec("turboadam", _turboadam, module="turboadam", cuda_only=True),
         OptimizerSpec("flashoptim_adamw", _flashoptim, module="flashoptim", cuda_only=True),
-        OptimizerSpec("torch_muon", _muon),
-        OptimizerSpec("kernel_factory_muon", _ours_muon),
+        OptimizerSpec("torch_muon", _muon, ns_floor=True),
+        OptimizerSpec("kernel_factory_muon", _ours_muon, ns_floor=True),
         OptimizerSpec("torch_adafactor",
                       lambda n, s, lr, wd: torch.optim.Adafactor(_tensors(n), lr=lr, weight_decay=wd), extra_reads=3),
         OptimizerSpec("kernel_factory_adafactor",

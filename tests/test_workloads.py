@@ -87,3 +87,13 @@ def test_the_cold_start_table_has_a_column_for_each_run(monkeypatch, tmp_path, c
     assert "first step 2 s after build, warm caches" in table[2] and table[2].count("|") == 9
     assert table[4] == "| kernel_factory_adamw | 0.500 | 1.500 | 2.500 | 3.500 | 4.500 | 5.500 | 6.5000 |"
     assert table[4] in capsys.readouterr().out
+
+
+def test_a_muon_steps_floor_is_ns_over_the_hidden_matrices():
+    # 48 attention matrices 768^2 and 36 MLP ones 768 x 2048: five iterations of X Xᵀ (s² L),
+    # A A (s³) and B X (2 s² L) each, at 1 TFLOP/s
+    flops = 48 * 5 * 4 * 768**3 + 36 * 5 * (3 * 768**2 * 2048 + 768**3)
+    assert bench.ns_floor_ms("llama134m", 1.0) == pytest.approx(flops / 1e12 * 1e3, rel=1e-12)
+    from benchmarks.registry import REGISTRY
+
+    assert {n for n, s in REGISTRY.items() if s.ns_floor} == {"torch_muon", "kernel_factory_muon"}
