@@ -1,6 +1,6 @@
 """Tune the optimizer kernels on this machine's GPU and record the winners in the cache.
 
-    python -m kernel_factory.optimizers.tune --arch sm90 [--families adamw] [--match TEXT] [--trials N]
+    python -m kernel_factory.optimizers.tune --arch sm90 [--families adamw] [--match TEXT ...] [--trials N]
         [--minutes M] [--resume | --fresh] [--output PATH]
 
 The generic tuner (kernel_factory.generator.tuner) drives Optuna; each family's ``tune.py`` supplies
@@ -34,8 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", required=True, help="the architecture to tune, e.g. sm90 (must be this machine's)")
     ap.add_argument("--families", default=",".join(FAMILY_TASKS))
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--match", default="", help="tune only the keys whose name holds this text, e.g. side=2048 "
-                    "(names as the report prints them: family, variant, dtype, bucket)")
+    ap.add_argument("--match", action="append", default=[], help="tune only the keys whose name holds this text, "
+                    "e.g. side=2048 (names as the report prints them: family, variant, dtype, bucket); repeat it "
+                    "for keys that hold any of several")
     ap.add_argument("--trials", type=int, default=40, help="trials per key")
     ap.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget for all keys")
     ap.add_argument("--fresh", action="store_true", help="discard saved studies instead of resuming them")
@@ -52,9 +53,10 @@ def main(argv=None) -> int:
         return 2
     bandwidth = copy_bandwidth_tbs(4 << 30)
     tasks = [t for f in args.families.split(",") for t in FAMILY_TASKS[f](args.dtypes.split(","), "cuda", bandwidth)]
-    tasks = [t for t in tasks if args.match in key_name(t)]
+    if args.match:
+        tasks = [t for t in tasks if any(text in key_name(t) for text in args.match)]
     if not tasks:
-        ap.error(f"no key of {args.families} matches {args.match!r}")
+        ap.error(f"no key of {args.families} matches any of {args.match}")
     results = tune(tasks, args.arch, restoring_timer(), local_arch=local, trials=args.trials,
                    minutes=args.minutes, output=args.output, resume=not args.fresh)  # fmt: skip
     print(f"copy bandwidth {bandwidth:.3f} TB/s")
