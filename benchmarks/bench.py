@@ -159,6 +159,7 @@ def write(bw, rows, notes, out: Path, command: str, tflops: float | None = None)
         w.writeheader()
         w.writerows(rows)
     fmt = lambda v, spec: "n/a" if v is None or v != v else format(v, spec)  # noqa: E731 (NaN != NaN)
+    times = lambda v: "n/a" if v != v else f"{v:.2f}x"  # noqa: E731
     rate = "" if tflops is None else f", bf16 matmul {tflops:.0f} TFLOP/s (the Muon rows' floor: NS's FLOPs)"
     lines = [f"Optimizer step on {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
              f"{bw:.3f} TB/s{rate} measured in the same run. Command: `{command}`", "",
@@ -168,7 +169,7 @@ def write(bw, rows, notes, out: Path, command: str, tflops: float | None = None)
     for r in rows:
         lines.append(f"| {r['shapes']} | {r['dtype']} | {r['optimizer']} | {fmt(r['state_bytes_per_param'], '.2f')} | "
                      f"{r['bytes_per_param']:.1f} | {r['eager_ms']:.4f} | {fmt(r['graph_ms'], '.4f')} | "
-                     f"{r['floor_ms']:.4f} | {r['pct_of_floor']:.1f} | {fmt(r['ours_faster'], '.2f')}{'x' if r['ours_faster'] == r['ours_faster'] else ''} | "
+                     f"{r['floor_ms']:.4f} | {r['pct_of_floor']:.1f} | {times(r['ours_faster'])} | "
                      f"{fmt(r.get('first_step_cold_s'), '.2f')} |")  # fmt: skip
     lines += [""] + [f"- {n}" for n in notes]
     (out / "bench.md").write_text("\n".join(lines) + "\n")
