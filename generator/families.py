@@ -66,8 +66,8 @@ ADAM_MINI = KernelFamily(
         "momentum": ("float8e4nv", "bfloat16", "float32"),
     },
     tuning_axes=("multi_tensor", "momentum"),
-    tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list
-    # Default: one row, one warp (cheap under the interpreter); the H200's picks are in sm90.json.
+    tune_sizes=(1 << 27, 1 << 29, 1 << 30, 1 << 31),  # the models' lists (workloads.model_at_bucket)
+    # Default: one row, one warp (cheap under the interpreter); the tuned picks are in sm90.json.
     # Rows that split into <= 3 power-of-two tiles go to whole-row launches that take ROWS rows per
     # program, fewer where a row is long (optimizers/adam_mini/plan.py: exact_row_shape); COLS tiles the rest.
     tunables=(

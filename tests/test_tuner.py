@@ -218,3 +218,18 @@ def test_an_adamw_task_knows_its_key_before_it_allocates_and_frees_its_workload(
     # the model lists are the workloads of their buckets
     assert len(shapes_for(1 << 27)) == 111 and len(shapes_for(1 << 31)) == 16 * 9 + 2
     assert shapes_for(1 << 22) == [(4096, 1024)]
+
+
+def test_adam_mini_tasks_are_the_models_at_their_buckets_and_allocate_when_first_used():
+    from kernel_factory.generator.tuner import key_name
+    from kernel_factory.optimizers.adam_mini.tune import adam_mini_tasks
+    from kernel_factory.optimizers.shared.workloads import model_at_bucket
+
+    assert [model_at_bucket(1 << b) for b in (27, 29, 30, 31)] == [
+        "llama134m", "qwen2_5_0_5b", "llama2_7b_4layers", "llama3_2_1b"]  # fmt: skip
+    assert model_at_bucket(1 << 28) is None
+    tasks = adam_mini_tasks(["fp32", "bf16"], "cpu", None)
+    names = [key_name(t) for t in tasks]
+    assert len(names) == 4 * 3 and len(set(names)) == len(names)  # fp32: FP8 and fp32 momentum; bf16: FP8
+    assert "adam_mini multi_tensor=False,momentum=float8e4nv bfloat16 2147483648" in names
+    assert all(t.opt is None and t.floor_ms is None for t in tasks)  # nothing allocated yet

@@ -1,8 +1,11 @@
-"""The Adam-mini tuning workloads: a whole AdamMini step on the 134M Llama-style list.
+"""The Adam-mini tuning workloads: a whole AdamMini step on the parameter list of a model at each
+of the family's tune sizes (the 134M Llama-style list at 2^27, Qwen2.5-0.5B at 2^29, four layers of
+Llama-2-7B at 2^30, Llama-3.2-1B at 2^31), with the model's attention geometry.
 
 Used by ``python -m kernel_factory.optimizers.tune --families adam_mini``. A trial configures
 every launch plan of the step (the decaying and the non-decaying group), checks one step
-against the pure-PyTorch reference on fresh gradients, and times the step as users call it.
+against the pure-PyTorch reference on fresh gradients, and times the step as users call it. A
+task allocates its model when first used and frees it in ``release()``, after its study.
 """
 
 from __future__ import annotations
@@ -11,56 +14,87 @@ import math
 
 import torch
 
-from kernel_factory.generator import ADAM_MINI
+from kernel_factory.generator import ADAM_MINI, size_bucket
 
 from ..parity import compare_tensors
+from ..shared.buckets import TRITON_DTYPES
 from ..shared.tuning import InPlaceTask
-from ..shared.workloads import SHAPE_SETS
+from ..shared.workloads import MODELS, SHAPE_SETS, model_at_bucket
 from .fp8 import dequantize
 from .optimizer import AdamMini
+from .plan import MOMENTUM_TRITON
 from .reference import adam_mini_reference_step
 
 # Normwise relative error of one step against the reference: fp32 rounding, and for bf16
 # parameters one flipped 8-bit rounding per element at most (see tests/test_adam_mini_gpu.py).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-GEOMETRY = dict(dim=768, n_heads=12)  # the llama134m list's attention geometry
+MOMENTUM = {"fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 
 
 class AdamMiniTuningTask(InPlaceTask):
-    """One AdamMini step (param dtype, momentum dtype) on the 134M list as a tuner task."""
+    """One AdamMini step (param dtype, momentum dtype) on a model's parameter list as a tuner task."""
 
     family = ADAM_MINI
 
-    def __init__(self, dtype: torch.dtype, momentum: str, device: str, bandwidth_tbs: float | None = None,
-                 seed: int = 0) -> None:  # fmt: skip
-        gen = torch.Generator(device=device).manual_seed(seed)
-        named = [(n, torch.randn(s, device=device, dtype=dtype, generator=gen) * 0.02)
-                 for n, s in SHAPE_SETS["llama134m"]]  # fmt: skip
+    def __init__(self, model: str, dtype: torch.dtype, momentum: str, device: str,
+                 bandwidth_tbs: float | None = None, seed: int = 0) -> None:  # fmt: skip
+        self.model, self.param_dtype, self.momentum, self.device = model, dtype, momentum, device
+        self.bandwidth_tbs, self.seed = bandwidth_tbs, seed
+        # The cache key, known before anything is allocated (the plan's own is checked at build).
+        self.variant = ADAM_MINI.tuning_key(ADAM_MINI.variant(
+            multi_tensor=torch.device(device).type == "cuda", param_dtype=TRITON_DTYPES[dtype],
+            momentum=MOMENTUM_TRITON[MOMENTUM[momentum]]))  # fmt: skip
+        self.dtype = TRITON_DTYPES[dtype]
+        self.numel = size_bucket(sum(math.prod(s) for _, s in SHAPE_SETS[model]))
+        self.floor_ms = None  # known once the state exists (_build)
+        self.tol = TOL[dtype]
+        self.opt = None
+
+    def _build(self) -> None:
+        """Allocate params, grads and the optimizer; build its plans and state with one step."""
+        if self.opt is not None:
+            return
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        dtype, config = self.param_dtype, MODELS[self.model]
+        named = [(n, torch.randn(s, device=self.device, dtype=dtype, generator=gen) * 0.02)
+                 for n, s in SHAPE_SETS[self.model]]  # fmt: skip
         self.params = [p for _, p in named]
         for p in self.params:
-            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
-        self.opt = AdamMini(named, lr=1e-3, weight_decay=0.1, momentum_dtype=momentum, **GEOMETRY)
+            p.grad = torch.randn(p.shape, device=self.device, dtype=dtype, generator=gen)
+        self.opt = AdamMini(named, lr=1e-3, weight_decay=0.1, momentum_dtype=self.momentum, dim=config["dim"],
+                            n_heads=config["n_heads"], n_kv_heads=config.get("n_kv_heads"))  # fmt: skip
         self.opt.step()  # builds the plans and the state
         self.plans = [pl for _, pls, _ in self.opt._plans.values() for pl in pls]
         if not self.plans:
             raise RuntimeError("AdamMini tuning needs the Triton path (a CUDA GPU)")
-        self.variant = ADAM_MINI.tuning_key(self.plans[0].variant)
-        self.dtype = self.plans[0].variant["param_dtype"]
+        if ADAM_MINI.tuning_key(self.plans[0].variant) != self.variant:
+            raise RuntimeError(f"AdamMini tuning: the plan's variant {dict(self.plans[0].variant)} is not "
+                               f"{self.variant}")  # fmt: skip
         numel = sum(p.numel() for p in self.params)
-        self.numel = numel
         state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values())
         moved = numel * 3 * dtype.itemsize + 2 * state  # p read + write, g read; state read + write
-        self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
-        self.tol = TOL[dtype]
+        self.floor_ms = moved / (self.bandwidth_tbs * 1e12) * 1e3 if self.bandwidth_tbs else None
         self.snapshot([*self.params, *(t for s in self.opt.state.values() for t in s.values())])
 
+    def release(self) -> None:
+        """Free the model (the tuner is done with this task); a later use allocates it again."""
+        self.opt, self.plans, self.params, self._live, self._saved = None, [], [], [], []
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore(self) -> None:
+        self._build()
+        super().restore()
+
     def configure(self, config) -> None:
+        self._build()
         for plan in self.plans:
             plan.configure(config)
         self.run()  # compiles here, so compile failures are typed as such
         torch.cuda.synchronize()
 
     def run(self) -> None:
+        self._build()
         self.opt.step()
 
     def check(self) -> float:
@@ -101,11 +135,15 @@ def _momentum(opt: AdamMini, p: torch.Tensor, state: dict) -> torch.Tensor:
 
 
 def adam_mini_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[AdamMiniTuningTask]:
-    """FP8 momentum for each parameter dtype, and fp32 momentum for fp32 parameters."""
+    """At each tune size: FP8 momentum for each parameter dtype, and fp32 momentum for fp32 parameters."""
     tasks = []
-    for dname in dtypes:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname]
-        tasks.append(AdamMiniTuningTask(dtype, "fp8", device, bandwidth_tbs))
-        if dtype == torch.float32:
-            tasks.append(AdamMiniTuningTask(dtype, "fp32", device, bandwidth_tbs))
+    for numel in ADAM_MINI.tune_sizes:
+        model = model_at_bucket(numel)
+        if model is None:
+            raise ValueError(f"adam_mini tune size {numel}: no model list has that bucket (workloads.MODELS)")
+        for dname in dtypes:
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname]
+            tasks.append(AdamMiniTuningTask(model, dtype, "fp8", device, bandwidth_tbs))
+            if dtype == torch.float32:
+                tasks.append(AdamMiniTuningTask(model, dtype, "fp32", device, bandwidth_tbs))
     return tasks

@@ -17,7 +17,7 @@ from kernel_factory.generator import ADAMW, size_bucket
 from ..parity import relative_error
 from ..shared.buckets import TRITON_DTYPES
 from ..shared.tuning import InPlaceTask
-from ..shared.workloads import SHAPE_SETS
+from ..shared.workloads import SHAPE_SETS, model_at_bucket
 from .optimizer import AdamW
 from .plan import Hyper, TritonBucket
 from .reference import adam_reference_step
@@ -26,15 +26,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Normwise tolerance of the parity gate: fp32 differs from the reference by rounding only;
 # bf16/fp16 storage rounds each step to 8/11 bits (see parity/matrix.py).
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
-MODEL_LISTS = ("llama134m", "qwen2_5_0_5b", "llama2_7b_4layers", "llama3_2_1b")  # workloads.SHAPE_SETS
-
-
 def shapes_for(numel: int) -> list[tuple[int, ...]]:
     """The workload at a tune size: the model list of that bucket, else one tensor."""
-    for name in MODEL_LISTS:
-        shapes = [s for _, s in SHAPE_SETS[name]]
-        if size_bucket(sum(math.prod(s) for s in shapes)) == numel:
-            return shapes
+    model = model_at_bucket(numel)
+    if model is not None:
+        return [s for _, s in SHAPE_SETS[model]]
     return [(numel // 1024, 1024)] if numel >= 1024 else [(numel,)]
 
 

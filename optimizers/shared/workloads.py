@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -41,6 +43,18 @@ MODELS: dict[str, dict] = {
     # meta-llama/Llama-2-7b-hf (6,738,415,616 parameters at 32 layers)
     "llama2_7b_4layers": dict(dim=4096, layers=4, ffn=11008, vocab=32000, n_heads=32),
 }  # fmt: skip
+
+def model_at_bucket(numel: int) -> str | None:
+    """The model of ``MODELS`` whose parameter count falls in size bucket ``numel`` (the tuners'
+    workloads at the models' buckets: 134M at 2^27, Qwen2.5-0.5B at 2^29, Llama-2-7B x 4 at 2^30,
+    Llama-3.2-1B at 2^31), or None."""
+    from kernel_factory.generator import size_bucket
+
+    for name, config in MODELS.items():
+        if size_bucket(sum(math.prod(s) for _, s in llama_param_shapes(**config))) == numel:
+            return name
+    return None
+
 
 SHAPE_SETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     # Odd sizes, a scalar-like tensor and a 3-D one: tails, masks, tiny launches.
