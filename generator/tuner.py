@@ -216,8 +216,9 @@ def _summarise(task: TuningTask, study) -> KeyResult:
 def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: str, trials: int = 40,
          minutes: float = 8.0, output: Path | None = None, study_path: Path | None = None,
          resume: bool = True, show_progress: bool = True, final_rounds: int = 3) -> list[KeyResult]:  # fmt: skip
-    """Tune every task within ``minutes`` (shared out over the tasks still to run), write the
-    winners to ``output`` (default: the user overlay) and return the per-key results."""
+    """Tune every task within ``minutes`` (shared out over the tasks still to run), write each
+    key's winner to ``output`` (default: the user overlay) as soon as its study ends (a run cut
+    short keeps the keys it finished) and return the per-key results."""
     if arch != local_arch:
         raise RuntimeError(f"cannot tune {arch} here: this machine's device is {local_arch} "
                            f"(timings must come from the architecture they are cached for)")  # fmt: skip
@@ -233,17 +234,17 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
     results = []
     for i, task in enumerate(tasks):
         seconds = (deadline - time.monotonic()) / (len(tasks) - i)
-        results.append(tune_task(task, arch, timer, trials=trials, seconds=seconds, storage=storage,
-                                 progress=bar.update if bar else None, warm_start=prior.get(_cache_key(task)),
-                                 final_rounds=final_rounds))  # fmt: skip
+        result = tune_task(task, arch, timer, trials=trials, seconds=seconds, storage=storage,
+                           progress=bar.update if bar else None, warm_start=prior.get(_cache_key(task)),
+                           final_rounds=final_rounds)  # fmt: skip
+        results.append(result)
+        if result.best is not None:
+            merge_entries(output, arch, [result.entry()])
         release = getattr(task, "release", None)  # a task may free its workload once studied
         if release is not None:
             release()
     if bar is not None:
         bar.close()
-    winners = [r.entry() for r in results if r.best is not None]
-    if winners:
-        merge_entries(output, arch, winners)
     return results
 
 
