@@ -102,7 +102,10 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    rows = [measure(name, args.shapes, args.dtype, args.gap) for name in args.optimizers.split(",")]
+    rows = []
+    for name in args.optimizers.split(","):
+        rows.append(measure(name, args.shapes, args.dtype, args.gap))
+        print(json.dumps(rows[-1]), flush=True)  # each as measured (a long run cut short keeps them)
     head = (f"First step in a new process on {torch.cuda.get_device_name()}, {args.shapes}, {args.dtype} params, "
             f"torch {torch.__version__}; seconds (construction apart). Command: `python -m benchmarks.cold_start "
             f"--optimizers {args.optimizers} --shapes {args.shapes} --dtype {args.dtype} "
