@@ -5,7 +5,8 @@
   the symmetric products need at the bf16 matmul rate measured in the same run, 5 (3 s² L + s³)
   for short side s and long side L (X Xᵀ and A A symmetric, B X whole; 20 n³ for n x n).
   ``--ns-sizes`` takes ``n`` (square), ``mxn``, and ``@model``: the distinct hidden-matrix shapes
-  of a model of ``workloads.MODELS`` with both sides >= 2048.
+  of a model of ``workloads.MODELS`` with both sides >= 2048. Ours and torch's are timed in turn,
+  5 rounds, the median of each (``timing.alternate_ms``).
 - A Muon step over the 84 hidden matrices of the 134M Llama-style list (fp32 params and grads):
   ours against torch.optim.Muon with the same hyperparameters, and the host time to issue it.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_factory.generator.timing import matmul_tflops, time_ms
+from kernel_factory.generator.timing import alternate_ms, matmul_tflops, time_ms
 from kernel_factory.optimizers import Muon, fast_newton_schulz
 from kernel_factory.optimizers.muon.newton_schulz import reference_newton_schulz
 from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS, hidden_matrices
@@ -60,8 +61,11 @@ def ns_rows(shapes: list[tuple[int, int]], tflops: float) -> list[str]:
     rows = []
     for m, n in shapes:
         g = torch.randn(m, n, device="cuda")
-        ours = time_ms(lambda: fast_newton_schulz(g))[1]  # noqa: B023 (called before the next shape)
-        peer = time_ms(lambda: reference_newton_schulz(g))[1]  # noqa: B023
+        # alternately, 5 rounds: one timing each of 2048 x 8192 and 8192 x 2048 (the same kernels)
+        # differed by up to 1.5x between runs
+        ms = alternate_ms({"ours": lambda: fast_newton_schulz(g), "peer": lambda: reference_newton_schulz(g)},  # noqa: B023
+                          rounds=5)  # fmt: skip
+        ours, peer = ms["ours"], ms["peer"]
         floor = ns_floor_flops(m, n) / (tflops * 1e12) * 1e3
         rows.append(f"| NS5 {m}x{n} bf16 | {ours:.3f} | {peer:.3f} | {floor:.3f} | {100 * floor / ours:.1f} | "
                     f"{peer / ours:.2f}x |")  # fmt: skip

@@ -16,6 +16,17 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200
     return float(q[0]), float(q[1]), float(q[2])
 
 
+def alternate_ms(fns: dict[str, Callable[[], object]], rounds: int = 3, rep_ms: float = 100) -> dict[str, float]:
+    """Median over ``rounds`` of each function's p50 milliseconds (``time_ms``), the functions timed
+    in turn within each round, so that a drift of the GPU's clocks or of its neighbours during the
+    run reaches them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_ms(fn, rep_ms=rep_ms)[1])
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
 def copy_bandwidth_tbs(nbytes: int = 2 << 30, device: str = "cuda") -> float:
     """Measured device-to-device copy rate in TB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
