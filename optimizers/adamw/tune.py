@@ -26,6 +26,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Normwise tolerance of the parity gate: fp32 differs from the reference by rounding only;
 # bf16/fp16 storage rounds each step to 8/11 bits (see parity/matrix.py).
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
 def shapes_for(numel: int) -> list[tuple[int, ...]]:
     """The workload at a tune size: the model list of that bucket, else one tensor."""
     model = model_at_bucket(numel)

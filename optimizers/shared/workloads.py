@@ -44,6 +44,7 @@ MODELS: dict[str, dict] = {
     "llama2_7b_4layers": dict(dim=4096, layers=4, ffn=11008, vocab=32000, n_heads=32),
 }  # fmt: skip
 
+
 def model_at_bucket(numel: int) -> str | None:
     """The model of ``MODELS`` whose parameter count falls in size bucket ``numel`` (the tuners'
     workloads at the models' buckets: 134M at 2^27, Qwen2.5-0.5B at 2^29, Llama-2-7B x 4 at 2^30,
