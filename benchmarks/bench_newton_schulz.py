@@ -6,7 +6,7 @@
   for short side s and long side L (X Xᵀ and A A symmetric, B X whole; 20 n³ for n x n).
   ``--ns-sizes`` takes ``n`` (square), ``mxn``, and ``@model``: the distinct hidden-matrix shapes
   of a model of ``workloads.MODELS`` with both sides >= 2048. Ours and torch's are timed in turn,
-  5 rounds, the median of each (``timing.alternate_ms``).
+  5 rounds, the median of each (``timing.alternate_medians``).
 - A Muon step over the 84 hidden matrices of the 134M Llama-style list (fp32 params and grads):
   ours against torch.optim.Muon with the same hyperparameters, and the host time to issue it.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_factory.generator.timing import alternate_ms, matmul_tflops, time_ms
+from kernel_factory.generator.timing import alternate_medians, matmul_tflops, time_ms
 from kernel_factory.optimizers import Muon, fast_newton_schulz
 from kernel_factory.optimizers.muon.newton_schulz import reference_newton_schulz
 from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS, hidden_matrices
@@ -63,8 +63,8 @@ def ns_rows(shapes: list[tuple[int, int]], tflops: float) -> list[str]:
         g = torch.randn(m, n, device="cuda")
         # alternately, 5 rounds: one timing each of 2048 x 8192 and 8192 x 2048 (the same kernels)
         # differed by up to 1.5x between runs
-        ms = alternate_ms({"ours": lambda: fast_newton_schulz(g), "peer": lambda: reference_newton_schulz(g)},  # noqa: B023
-                          rounds=5)  # fmt: skip
+        fns = {"ours": lambda: fast_newton_schulz(g), "peer": lambda: reference_newton_schulz(g)}  # noqa: B023
+        ms = alternate_medians({name: lambda fn=fn: time_ms(fn, rep_ms=100)[1] for name, fn in fns.items()}, rounds=5)
         ours, peer = ms["ours"], ms["peer"]
         floor = ns_floor_flops(m, n) / (tflops * 1e12) * 1e3
         rows.append(f"| NS5 {m}x{n} bf16 | {ours:.3f} | {peer:.3f} | {floor:.3f} | {100 * floor / ours:.1f} | "

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import write_report
+from kernel_factory.generator.timing import alternate_medians
 
 RESULTS = Path(__file__).resolve().parent / "results" / "held_out"
 NS_SHAPE = (1, 4096, 11008)
@@ -48,14 +49,15 @@ def _tasks(bandwidth: float, tflops: float):
 
 def _alternate(task, timer, configs: dict[str, dict], rounds: int) -> dict[str, float]:
     """Median p50 (ms) of each config over ``rounds`` alternating timings."""
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(rounds):
-        for name, config in configs.items():
-            task.configure(config)
-            task.restore()
-            times[name].append(timer(task)[1])
+
+    def measure(config: dict) -> float:
+        task.configure(config)
+        task.restore()
+        return timer(task)[1]
+
+    ms = alternate_medians({name: lambda c=config: measure(c) for name, config in configs.items()}, rounds)
     task.restore()
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return ms
 
 
 def main(argv=None) -> int:

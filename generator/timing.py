@@ -16,14 +16,14 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200
     return float(q[0]), float(q[1]), float(q[2])
 
 
-def alternate_ms(fns: dict[str, Callable[[], object]], rounds: int = 3, rep_ms: float = 100) -> dict[str, float]:
-    """Median over ``rounds`` of each function's p50 milliseconds (``time_ms``), the functions timed
-    in turn within each round, so that a drift of the GPU's clocks or of its neighbours during the
-    run reaches them all alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+def alternate_medians(measures: dict[str, Callable[[], float]], rounds: int = 3) -> dict[str, float]:
+    """Median over ``rounds`` of each measurement (a call returning milliseconds), the measurements
+    taken in turn within each round, so that a drift of the GPU's clocks or of its neighbours
+    during the run reaches them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in measures}
     for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(time_ms(fn, rep_ms=rep_ms)[1])
+        for name, measure in measures.items():
+            times[name].append(measure())
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
