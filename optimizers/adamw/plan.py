@@ -172,6 +172,12 @@ class TritonBucket(Bucket):
         self.config = dict(ADAMW.check_config(config))
         self.chunk = self.config["CHUNK"]
 
+    @property
+    def launch_options(self) -> dict:
+        """The kernel's keyword arguments: the config, whose num_stages the BLOCK loop pipelines
+        (STAGES; a launch's num_stages alone pipelines only loops that feed tl.dot)."""
+        return dict(self.config, STAGES=self.config["num_stages"])
+
     def _load(self, grad_scaling: bool) -> Callable:
         k = self._kernels.get(grad_scaling)
         if k is None:
@@ -215,7 +221,7 @@ class TritonSingleTensor(TritonBucket):
             n = p.numel()
             kernel[(-(-n // self.chunk),)](
                 p, g.contiguous(), self.exp_avgs[i], self.exp_avg_sqs[i], vmax, n,
-                self.steps[i], self.done[i], lr, gs, fi, *scalars, **self.config,
+                self.steps[i], self.done[i], lr, gs, fi, *scalars, **self.launch_options,
             )  # fmt: skip
 
 
@@ -238,7 +244,7 @@ class TritonMultiTensor(TritonBucket):
         for scaling in (False, True):
             scaler = (torch.float32, torch.float32) if scaling else self.scaler_args(None, None)
             args = self._args(self._grads.table, torch.float32, *scaler, (0.0,) * len(KERNEL_SCALARS))
-            self._warm[scaling] = precompile.warm(self._load(scaling), (self.n_work,), args, self.config, dev)
+            self._warm[scaling] = precompile.warm(self._load(scaling), (self.n_work,), args, self.launch_options, dev)
 
     def configure(self, config) -> None:
         super().configure(config)
@@ -255,7 +261,7 @@ class TritonMultiTensor(TritonBucket):
         kernel = self.kernel(grad_scale is not None or found_inf is not None)
         gs, fi = self.scaler_args(grad_scale, found_inf)
         kernel[(self.n_work,)](*self._args(grad_table, self.lr_for_step(h), gs, fi, h.kernel_scalars()),
-                               **self.config)  # fmt: skip
+                               **self.launch_options)  # fmt: skip
 
 
 def _bucket_kind(p: Tensor, state_dtype: torch.dtype, mode: str) -> type[Bucket]:
