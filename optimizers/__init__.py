@@ -9,8 +9,11 @@ from .adafactor import Adafactor
 from .adam_mini import AdamMini, ModelShape, NameRules, ReferenceAdamMini, format_table
 from .adamw import Adam, AdamW, DistributedAdamW, ReferenceAdam, ReferenceAdamW
 from .muon import Muon, fast_newton_schulz
+from .shared import precompile
 from .shared.clip_grad import clip_grad_norm_
 from .turbo_adam import TurboAdam
+
+precompile.start_hash()  # Triton's hash of itself, in the background while the script builds its model
 
 __all__ = ["Adafactor", "Adam", "AdamMini", "AdamW", "DistributedAdamW", "ModelShape", "Muon", "NameRules",
            "ReferenceAdam", "ReferenceAdamMini", "ReferenceAdamW", "TurboAdam", "clip_grad_norm_", "fast_newton_schulz",

@@ -90,3 +90,35 @@ def test_launches_of_one_variant_are_warmed_once(monkeypatch):
     # the second launch differs in values only; the others in dtype, an int of 1, a constexpr
     assert [w[0].dtype for w in warmed] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
     assert [w[1] for w in warmed] == [32, 32, 1, 32]
+
+
+def _settle(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_the_import_starts_triton_hash_alone_and_only_where_the_kernels_run(monkeypatch):
+    calls = []
+    for name in ("import_triton", "triton_key", "triton_driver"):
+        monkeypatch.setattr(precompile, f"_{name}", lambda name=name: calls.append(name))
+    monkeypatch.setattr(precompile, "_hashing", False)
+    monkeypatch.setattr(precompile, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(precompile.buckets, "triton_available", lambda: True)
+    monkeypatch.delenv("KERNEL_FACTORY_BACKEND", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    precompile.start_hash()  # no GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("KERNEL_FACTORY_PRECOMPILE", "0")
+    precompile.start_hash()  # precompiling off
+    assert calls == []
+    monkeypatch.delenv("KERNEL_FACTORY_PRECOMPILE")
+    precompile.start_hash()
+    precompile.start_hash()  # once a process
+    _settle(lambda: "triton_key" in calls)
+    assert calls == ["import_triton", "triton_key"]  # not the driver: it would initialise CUDA
+    monkeypatch.setattr(precompile, "_started", False)
+    precompile._submit(lambda: None).result(timeout=30)  # an optimizer's first compile
+    _settle(lambda: "triton_driver" in calls)
+    assert calls.count("triton_key") == 1 and calls.count("triton_driver") == 1

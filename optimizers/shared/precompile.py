@@ -36,7 +36,8 @@ MAX_THREADS = min(8, os.cpu_count() or 1)
 _lock = threading.Lock()
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _workers = 0
-_started = False
+_started = False  # Triton imported and its driver queued (the first _submit)
+_hashing = False  # Triton's hash of itself queued (start_hash or the first _submit)
 
 
 def enabled(device: torch.device) -> bool:
@@ -94,22 +95,51 @@ def plan_ahead(optimizer, build: Callable[[int, dict, list], object]) -> None:
             optimizer._plans.pop(index, None)
 
 
+def start_hash() -> None:
+    """At import of the optimizers (``kernel_factory/optimizers/__init__.py``): where this process
+    can run the kernels, import Triton and start its hash of itself (``triton_key``) on a worker,
+    so that it runs while the script builds its model rather than when the optimizer is built,
+    where torch.optim's first imports hold the GIL it needs between chunks (measured: 0.45-0.63 s,
+    still running at a first step called at once). Only the hash: Triton's driver would initialise
+    CUDA, which belongs to the script (a rank picks its GPU after its imports; a fork before CUDA's
+    first use must stay possible), so the GPU is found by NVML (``torch.cuda.device_count``)."""
+    global _hashing
+    if (os.environ.get("KERNEL_FACTORY_PRECOMPILE", "1") == "0" or interpreter_enabled()
+            or backend_mode() == "torch" or torch.version.cuda is None or not buckets.triton_available()
+            or torch.cuda.device_count() == 0):  # fmt: skip
+        return
+    with _lock:
+        if not _hashing:
+            _hashing = True
+            _import_triton()
+            _queue.put((Future(), _triton_key))
+            _spawn_worker()
+
+
 def _submit(fn: Callable[[], object]) -> Future:
     """Run ``fn`` on one of up to MAX_THREADS daemon threads, which exit when the queue is empty (no
     idle threads are left behind for a later fork, such as a DataLoader's, to copy)."""
-    global _workers, _started
+    global _started, _hashing
     future: Future = Future()
     with _lock:
         if not _started:  # Triton's once-per-process work first: its hash of itself, its driver
             _started = True
             _import_triton()
-            _queue.put((Future(), _triton_key))
+            if not _hashing:
+                _hashing = True
+                _queue.put((Future(), _triton_key))
             _queue.put((Future(), _triton_driver))
         _queue.put((future, fn))
-        if _workers < MAX_THREADS:
-            _workers += 1
-            threading.Thread(target=_work, name="kf-compile", daemon=True).start()
+        _spawn_worker()
     return future
+
+
+def _spawn_worker() -> None:
+    """Start a worker if fewer than MAX_THREADS run (called holding _lock)."""
+    global _workers
+    if _workers < MAX_THREADS:
+        _workers += 1
+        threading.Thread(target=_work, name="kf-compile", daemon=True).start()
 
 
 def _work() -> None:
