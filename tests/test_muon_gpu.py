@@ -158,6 +158,23 @@ def test_small_batches_replay_a_cuda_graph_with_the_same_result(config):
                            triton_newton_schulz(tall, schedule, config), 1e-3).passed  # fmt: skip
 
 
+def test_graph_cache_keeps_its_inputs_within_its_byte_budget(monkeypatch):
+    # A 2048 x 8192 matrix (2^24 elements) is replayed from a graph; the least recently used graphs
+    # go once the cached inputs would pass the budget (here two 1024 x 2048 inputs).
+    import kernel_factory.optimizers.muon.newton_schulz_launch as launch
+
+    schedule = coefficient_schedule(None, 5)
+    monkeypatch.setattr(launch, "_graphs", type(launch._graphs)())
+    x = torch.randn(1, 2048, 8192, device="cuda").bfloat16()
+    launch.graphed_newton_schulz(x / torch.linalg.vector_norm(x), schedule, CLASSIC)
+    assert [k[0] for k in launch._graphs] == [(1, 2048, 8192)]
+    monkeypatch.setattr(launch, "_GRAPH_CACHE_BYTES", 2 * 1024 * 2048 * 2)
+    for m in (1024, 1023, 1022):
+        x = torch.randn(1, m, 2048, device="cuda").bfloat16()
+        launch.graphed_newton_schulz(x / torch.linalg.vector_norm(x), schedule, CLASSIC)
+    assert [k[0] for k in launch._graphs] == [(1, 1023, 2048), (1, 1022, 2048)]
+
+
 def test_muon_graphed_iterations_equal_direct_launches(monkeypatch):
     # The batch's CUDA graph reads its static NS input in place and replays the kernels the direct
     # path launches: the same bits every step, also after a plan rebuild (new input buffer) and
