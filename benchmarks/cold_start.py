@@ -77,7 +77,9 @@ def first_step_cold(name: str, shapes: str, dtype: str) -> float:
 
 def measure(name: str, shapes: str, dtype: str, gap: float) -> dict:
     """Cold and warm first steps of ``name`` (two fresh processes sharing new, empty cache folders),
-    one more on the warm folders and one on new empty folders, each ``gap`` seconds after construction."""
+    one more on the warm folders and one on new empty folders, each ``gap`` seconds after construction;
+    a process before them, not reported, fills the bytecode folder (``main``)."""
+    first_step_cold(name, shapes, dtype)
     with tempfile.TemporaryDirectory(prefix="kf_cold_") as tmp:
         cold = _run(name, shapes, dtype, Path(tmp))
         warm = _run(name, shapes, dtype, Path(tmp))
@@ -111,7 +113,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYTHONPYCACHEPREFIX", tempfile.mkdtemp(prefix="kf_pyc_"))
     rows = []
     for name in args.optimizers.split(","):
-        first_step_cold(name, args.shapes, args.dtype)  # fills the bytecode folder; not reported
         rows.append(measure(name, args.shapes, args.dtype, args.gap))
         print(json.dumps(rows[-1]), flush=True)  # each as measured (a long run cut short keeps them)
     head = (f"First step in a new process on {torch.cuda.get_device_name()}, {args.shapes}, {args.dtype} params, "
