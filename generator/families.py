@@ -195,6 +195,9 @@ TURBO_ADAM = KernelFamily(
         "v_codec": ("factored", "log4", "log8", "exact"),
         "exact_items": (False, True),  # tensors under the size thresholds ride in the same launch
         "grad_scaling": (False, True),  # in-kernel unscale and skip-on-inf
+        # rows split across ranks (FSDP2): the column sums are added over the shard group between
+        # the stats launch and a columns launch; the update launch is one process's
+        "split_rows": (False, True),
     },
     tuning_axes=("multi_tensor", "m_codec", "v_codec"),
     tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list

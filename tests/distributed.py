@@ -28,6 +28,8 @@ def _free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, fn, args, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if backend == "nccl":  # one process per GPU, as torchrun lays them out
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     code = 0
     try:
@@ -40,6 +42,13 @@ def _rank_main(rank: int, world: int, port: int, fn, args, backend: str = "gloo"
     if code == 0:
         dist.destroy_process_group()
     os._exit(code)
+
+
+def use_gpu() -> None:
+    """This rank's GPU: under NCCL its own (``_rank_main`` set it); under Gloo the one GPU that every
+    rank shares (correctness only: NCCL refuses two ranks on one device)."""
+    if dist.get_backend() != "nccl":
+        torch.cuda.set_device(0)
 
 
 def run_ranks(world: int, fn, *args, backend: str = "gloo") -> None:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed.checkpoint as dcp
+from distributed import use_gpu
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -104,7 +107,7 @@ def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device
     """4 steps at ``world`` ranks against one process: bitwise where ``tol`` is 0, else normwise."""
     os.environ["KERNEL_FACTORY_BACKEND"] = backend
     if device == "cuda":
-        torch.cuda.set_device(0)  # every rank on the one GPU, over Gloo (NCCL refuses that)
+        use_gpu()
     same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a, b, tol).passed)
     for name, build in OPTIMIZERS.items():
         model, opt = sharded(world, build, device)
@@ -126,13 +129,19 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
 
 
-def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
+                                    backend: str = "auto") -> None:  # fmt: skip
     """4 TurboAdam steps at ``world`` ranks against one process, matrices only (a sharded vector keeps
-    exact moments where one process compresses them): params and every state within ``tol``. Sharded
-    params step through the PyTorch reference; on CUDA the one process would take the fused kernels
-    (their approximate sqrt and log2 differ by ulps), so both take the reference there."""
-    backend = "torch" if device == "cuda" else "auto"
-    states_equal_to_one_process(rank, world, SHARDED_TURBO_ADAM, backend, tol, device, compared=lambda q: q.dim() >= 2)
+    exact moments where one process compresses them): params and every state within ``tol``. Where
+    ``backend`` takes the fused kernels (CUDA; the interpreter under ``triton``) both take them, the
+    sharded matrices with rows held here in their split-rows launches; else both the reference."""
+    opt = states_equal_to_one_process(rank, world, SHARDED_TURBO_ADAM, backend, tol, device,
+                                      compared=lambda q: q.dim() >= 2)  # fmt: skip
+    if device == "cuda" or backend == "triton":
+        fused = {id(p) for plan in opt._plans.values() for launch in plan.launches if launch.split
+                 for p in launch.sources}  # fmt: skip
+        held = [p for p in opt.state if p.dim() >= 2 and local(p).numel()]
+        assert held and all(id(p) in fused for p in held), (len(held), len(fused))
 
 
 def adafactor_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
@@ -149,12 +158,12 @@ def adafactor_int8_equal_to_one_process(rank: int, world: int, tol: float, devic
                                 compared=lambda q: q.dim() >= 2)  # fmt: skip
 
 
-def adafactor_steps_without_host_sync(rank: int, world: int) -> None:
-    """Adafactor (32-bit statistics, int8 first moment) on FSDP2's shards steps with the CUDA sync
-    debug mode raising: step counts, RMS(p) and RMS(u) stay on the GPU (NCCL: one rank per GPU, or
-    one rank, whose all-reduces need no host either)."""
-    torch.cuda.set_device(rank)
-    model, opt = sharded(world, SHARDED_ADAFACTOR_INT8, "cuda")
+def steps_without_host_sync(rank: int, world: int, name: str) -> None:
+    """Adafactor (32-bit statistics, int8 first moment) or TurboAdam on FSDP2's shards steps with the
+    CUDA sync debug mode raising: step counts, statistics and column sums stay on the GPU (NCCL: one
+    rank per GPU, or one rank, whose all-reduces need no host either)."""
+    use_gpu()
+    model, opt = sharded(world, {"Adafactor": SHARDED_ADAFACTOR_INT8, "TurboAdam": SHARDED_TURBO_ADAM}[name], "cuda")
     fsdp_step(model, opt, 0, rank, world)  # the first step builds the states and the plan
     for step in range(1, 3):
         model(targets(step, rank, world, "cuda")).backward()
@@ -191,7 +200,7 @@ def states_equal_to_one_process(rank: int, world: int, build, backend: str, tol:
     shard r mod world / 2)."""
     os.environ["KERNEL_FACTORY_BACKEND"] = backend
     if device == "cuda":
-        torch.cuda.set_device(0)
+        use_gpu()
     def close(t: float):
         return torch.equal if t == 0 else (lambda a, b: compare_tensors("p", "x", a.float(), b.float(), t).passed)
 
@@ -282,7 +291,7 @@ def mixed_meshes_equal_to_one_process(rank: int, world: int, name: str, backend:
     """3 steps of one optimizer over params on the meshes of ``LAYOUTS[layouts]`` against one process."""
     os.environ["KERNEL_FACTORY_BACKEND"] = backend
     if device == "cuda":
-        torch.cuda.set_device(0)
+        use_gpu()
     builds = {"AdamW": lambda named: AdamW([p for _, p in named], lr=1e-2, weight_decay=0.1),
               "Muon": lambda named: Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=1e-2),
               "AdamMini": lambda named: AdamMini(named, lr=1e-2, weight_decay=0.1, dim=8, n_heads=2,
@@ -309,8 +318,70 @@ def sharded_muon_state(rank: int, world: int, path: str, device: str = "cuda") -
     """4 steps of Muon under FSDP2 at ``world`` ranks; rank 0 saves the full params to ``path``
     (gathered through a file per rank: ``full_tensor()`` over Gloo with CUDA tensors crashes)."""
     os.environ["KERNEL_FACTORY_BACKEND"] = "auto"
-    torch.cuda.set_device(0)
+    use_gpu()
     model, opt = sharded(world, SHARDED_MUON, device)
     for step in range(4):
         fsdp_step(model, opt, step, rank, world)
     torch.save([local(p).cpu() for p in model.params], f"{path}.{world}.{rank}")
+
+
+# The optimizers a checkpoint is tested with, on a path whose arithmetic does not depend on an
+# element's position (test_fsdp2.py's docstring): AdamW's kernel under the interpreter; Muon's reference.
+# AdamMini (FP8 and bf16 momentum: its dtype must survive the load, FP8's scales reshard) sums its
+# blocks' g² in an order that depends on the world size: held to 1e-6 after the resumed step. FP8 and
+# bf16 take PyTorch ops on CPU; fp32 momentum takes the fused kernel under the interpreter. Adafactor's
+# column sums, row-statistic mean and RMS sums are added across the ranks: 1e-6 too.
+CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_MUON, "torch", 0.0),
+                "AdamMini-fp8": (lambda ps: sharded_adam_mini(ps, "fp8"), "auto", 1e-6),
+                "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6),
+                "AdamMini-fp32": (lambda ps: sharded_adam_mini(ps, "fp32"), "triton", 1e-6),
+                "TurboAdam": (SHARDED_TURBO_ADAM, "auto", 1e-6),
+                "TurboAdam-fused": (SHARDED_TURBO_ADAM, "triton", 1e-6),
+                "Adafactor": (SHARDED_ADAFACTOR, "auto", 1e-6),
+                "Adafactor-int8": (SHARDED_ADAFACTOR_INT8, "auto", 1e-6)}  # fmt: skip
+
+
+def save_checkpoint(rank: int, world: int, path: str, name: str, device: str = "cpu") -> None:
+    """3 steps of ``CHECKPOINTED[name]`` at ``world`` ranks, a DCP checkpoint of model and optimizer
+    at ``path``, then one more step, whose full params rank 0 keeps beside the checkpoint."""
+    build, os.environ["KERNEL_FACTORY_BACKEND"], _ = CHECKPOINTED[name]
+    if device == "cuda":
+        use_gpu()
+    model, opt = sharded(world, build, device)
+    for step in range(3):
+        fsdp_step(model, opt, step, rank, world)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    fsdp_step(model, opt, 3, rank, world)
+    full = [p.full_tensor().cpu() for p in model.params]
+    if rank == 0:
+        torch.save(full, os.path.join(path, "after_next_step.pt"))
+
+
+def load_checkpoint_and_step(rank: int, world: int, path: str, name: str, device: str = "cpu",
+                             tol: float | None = None) -> None:  # fmt: skip
+    """``save_checkpoint``'s checkpoint loaded at ``world`` ranks (any), one step: the params within
+    ``tol`` (default ``CHECKPOINTED[name]``'s) of the saving run's next step, states in their own
+    dtypes."""
+    build, os.environ["KERNEL_FACTORY_BACKEND"], default_tol = CHECKPOINTED[name]
+    tol = default_tol if tol is None else tol
+    if device == "cuda":
+        use_gpu()
+    model, opt = sharded(world, build, device)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert all(float(s["step"]) == 3 for s in opt.state.values() if "step" in s)
+    if name.startswith("AdamMini"):  # FP8 on matrices; bf16 on the vectors, split inside their one row
+        expected = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[name[-4:].lstrip("-")]
+        assert {s["exp_avg"].dtype for p, s in opt.state.items() if p.dim() >= 2} == {expected}
+    if name.startswith("TurboAdam") or name == "Adafactor-int8":  # codes and bf16 scales kept (torch's
+        codes = torch.int8 if name == "Adafactor-int8" else torch.uint8  # loader casts them to fp32)
+        assert {(s["exp_avg_codes"].dtype, s["exp_avg_scale"].dtype) for p, s in opt.state.items()
+                if p.dim() >= 2} == {(codes, torch.bfloat16)}  # fmt: skip
+    fsdp_step(model, opt, 3, rank, world)
+    full = [p.full_tensor().cpu() for p in model.params]
+    expected = torch.load(os.path.join(path, "after_next_step.pt"))
+    same = torch.equal if tol == 0 else (lambda a, b: compare_tensors("p", "x", a, b, tol).passed)
+    assert all(same(a, b) for a, b in zip(full, expected, strict=True))

@@ -1,4 +1,4 @@
-"""GPU tier: AdamW, Adam, Muon, AdamMini and Adafactor under FSDP2, and DistributedAdamW, with the
+"""GPU tier: AdamW, Adam, Muon, AdamMini, TurboAdam and Adafactor under FSDP2, and DistributedAdamW, with the
 real multi-tensor kernels, two ranks on one GPU over Gloo. Gloo stages through the host: these
 runs prove correctness, not speed (one NCCL rank checks that a step needs no host sync)."""
 
@@ -11,13 +11,14 @@ from fsdp_probe import (
     SHAPES,
     adafactor_equal_to_one_process,
     adafactor_int8_equal_to_one_process,
-    adafactor_steps_without_host_sync,
     adam_mini_equal_to_one_process,
     equal_to_one_process,
     mixed_meshes_equal_to_one_process,
     muon_equal_to_one_process,
     shard_of,
     sharded_muon_state,
+    steps_without_host_sync,
+    turbo_adam_equal_to_one_process,
 )
 from zero_probe import zero_equal_to_one_process
 
@@ -50,8 +51,17 @@ def test_adafactor_under_fsdp2_on_the_gpu_follows_the_one_process_kernels():
     run_ranks(2, adafactor_int8_equal_to_one_process, 1e-3, "cuda")
 
 
-def test_adafactor_under_fsdp2_steps_without_a_host_sync():
-    run_ranks(1, adafactor_steps_without_host_sync, backend="nccl")
+@pytest.mark.parametrize("name", ["Adafactor", "TurboAdam"])
+def test_under_fsdp2_a_step_needs_no_host_sync(name):
+    run_ranks(1, steps_without_host_sync, name, backend="nccl")
+
+
+@pytest.mark.parametrize(("world", "tol"), [(1, 0.0), (2, 1e-6)])
+def test_turbo_adam_under_fsdp2_on_the_gpu_kernels_follows_the_one_process_kernels(world, tol):
+    """The local rows through the split-rows launches (stats, one all-reduce of the column sums over
+    Gloo, columns, update) against one process's fused kernels: the same approximate arithmetic per
+    element, only the column sums' order differs (1e-6, as on the CPU); at one rank, the same bits."""
+    run_ranks(world, turbo_adam_equal_to_one_process, tol, "cuda")
 
 
 def test_adam_mini_under_fsdp2_on_the_gpu_is_within_1e6_of_the_one_process_kernels():

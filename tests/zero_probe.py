@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
+from distributed import use_gpu
 from fsdp_probe import Probe, shard_of, targets
 
 from kernel_factory.optimizers import AdamW, DistributedAdamW
@@ -16,7 +17,7 @@ TINY_BUCKETS = 1e-4  # MiB: a few parameters per bucket, so that several reduce-
 
 def _device_setup(device: str) -> None:
     if device == "cuda":
-        torch.cuda.set_device(0)  # every rank on the one GPU, over Gloo
+        use_gpu()
 
 
 def micro_targets(step: int, micro: int, rank: int, world: int, device: str) -> list[torch.Tensor]:

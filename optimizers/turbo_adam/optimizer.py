@@ -3,9 +3,9 @@
     opt = TurboAdam(model.parameters(), lr=3e-4, weight_decay=0.1)   # ~0.77 B of state per param
 
 On CUDA the fused kernels (plan.py) step every tensor of a group, compressed ones and those under
-the size thresholds (exact fp32 moments, bitwise our AdamW); with both codecs off it is our AdamW's
-stepper. Sharded matrices (FSDP2), the CPU and what the kernels do not take step through the
-PyTorch reference (reference.py).
+the size thresholds (exact fp32 moments, bitwise our AdamW), and FSDP2's sharded matrices on their
+local rows (distributed.py); with both codecs off it is our AdamW's stepper. The CPU and what the
+kernels do not take step through the PyTorch reference (reference.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, STEP_SUM, TOTAL, Telemetry
 from . import codecs
-from .distributed import column_sq_means, compressible, local_state, shard_state
+from .distributed import ColumnSums, compressible, local_state, shard_state
 from .plan import TurboGroupPlan
 from .reference import Layout, convert_state, decoded_moments, init_state, layout_of_state, matrix_view, turbo_adam_step
 
@@ -57,7 +57,7 @@ class TurboAdam(torch.optim.Optimizer):
             element; vectors 4-bit codes), 4 or 8 (per-element log codes).
         compress_m, compress_v: False keeps that moment exact (fp32), e.g. a v-only mode.
         capturable: accepted (torch's meaning); the fused CUDA step is capturable whatever its value
-            (no host sync), the reference path (sharded matrices, the CPU) is not.
+            (no host sync), the reference path (the CPU, what the kernels do not take) is not.
         min_m_compress_elements, min_v_compress_elements: smaller tensors keep exact fp32 moments.
         m_block_size, m_step_factor: turboadam's first-moment codec options, accepted so that its
             users switch by import; ignored with one warning (this codec has no counterpart).
@@ -121,6 +121,7 @@ class TurboAdam(torch.optim.Optimizer):
         super().__init__(precompile.begin(params), defaults)
         self._exact_plans: dict[int, object] = {}
         self._plans: dict[int, TurboGroupPlan] = {}
+        self._columns: tuple[list, ColumnSums | None] = ([], None)  # (the plans it serves, its buffers)
         self.telemetry = Telemetry(TELEMETRY)
         precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
 
@@ -211,14 +212,47 @@ class TurboAdam(torch.optim.Optimizer):
         # Only the reference path reads found_inf on the host (one sync); the kernels read it on the device.
         on_host = found_inf is not None and any(plan.reference for plan, _ in plans)
         skip = on_host and bool(found_inf.item())
-        sharded = [params[i] for (plan, params), group in zip(plans, self.param_groups, strict=True)
-                   for i in plan.reference if isinstance(params[i], DTensor)
-                   and self.layout(params[i], group).v_codec == codecs.FACTORED]  # fmt: skip
-        col_means = column_sq_means(sharded) if sharded and not skip else {}
+        columns = self._column_sums([plan for plan, _ in plans])
+        if columns is not None:  # sharded factored matrices: column sums of g² over every rank's rows
+            self._sum_columns(columns, plans, grad_scale, found_inf, skip)
         with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
             for index, (group, (plan, params)) in enumerate(zip(self.param_groups, plans, strict=True)):
-                self._step_group(index, group, plan, params, grad_scale, found_inf, skip, col_means, telemetry)
+                self._step_group(index, group, plan, params, grad_scale, found_inf, skip, columns, telemetry)
         return loss
+
+    def _column_sums(self, plans: list[TurboGroupPlan]) -> ColumnSums | None:
+        """The column-sum buffers of every sharded factored matrix of the optimizer (the same list on
+        every rank, whatever it holds locally), made when the plans change; the fused launches keep
+        their sums in them."""
+        served = self._columns[0]
+        if len(served) != len(plans) or any(a is not b for a, b in zip(served, plans, strict=False)):
+            sharded = [p for group in self.param_groups for p in group["params"]
+                       if isinstance(p, DTensor) and p.requires_grad
+                       and self.layout(p, group).v_codec == codecs.FACTORED]  # fmt: skip
+            columns = ColumnSums(sharded) if sharded else None
+            for plan in plans:
+                for launch in plan.launches:
+                    if launch.split and columns is not None:
+                        launch.use_column_sums(columns.views)
+            self._columns = (plans, columns)
+        return self._columns[1]
+
+    def _sum_columns(self, columns: ColumnSums, plans: list, grad_scale: Tensor | None, found_inf: Tensor | None,
+                     skip: bool) -> None:  # fmt: skip
+        """Each rank's sums of g² per column of its rows of the sharded factored matrices (the fused
+        stats launches, PyTorch ops on the reference path), added over each shard group: one
+        all-reduce per group, on every rank, even where a step is skipped."""
+        columns.zero_()
+        for (plan, params), group in zip(plans, self.param_groups, strict=True):
+            for launch in plan.launches:
+                launch.run_stats(group["betas"], grad_scale, found_inf)
+            for i in plan.reference:
+                p = params[i]
+                if id(p) in columns.views and not skip and local(p).numel():
+                    check_param_grad(i, local(p), local(p.grad))
+                    grad = local(p.grad).float()
+                    columns.add_local(p, grad if grad_scale is None else grad / grad_scale.to(grad.device))
+        columns.all_reduce()
 
     def _group_plan(self, index: int, group: dict) -> tuple[TurboGroupPlan, list[Tensor]]:
         """The cached plan of param group ``index`` and the params with grads it was built for."""
@@ -249,7 +283,7 @@ class TurboAdam(torch.optim.Optimizer):
         return plan
 
     def _step_group(self, index: int, group: dict, plan: TurboGroupPlan, params: list[Tensor],
-                    grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool, col_means: dict[int, Tensor],
+                    grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool, columns: ColumnSums | None,
                     telemetry: Telemetry) -> None:  # fmt: skip
         """One param group: fused launches, exact params through AdamW's stepper, the rest through
         the reference."""
@@ -273,9 +307,8 @@ class TurboAdam(torch.optim.Optimizer):
             check_param_grad(i, local(p), grad)
             grad = grad if grad_scale is None else grad.float() / grad_scale.to(grad.device)
             rows = local_row_indices(p) if isinstance(p, DTensor) else None
-            col_mean = col_means.get(id(p))
-            if col_mean is not None:  # the scale is divided out of the all-reduced mean of g² too
-                col_mean = col_mean if grad_scale is None else col_mean / grad_scale.to(col_mean.device) ** 2
+            # a sharded factored matrix: the mean of (unscaled) g² over every rank's rows
+            col_mean = columns.mean(p) if columns is not None and id(p) in columns.views else None
             amax = turbo_adam_step(local(p), grad, local_state(self.state[p]), self.layout(p, group),
                                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                                    weight_decay=float(group["weight_decay"]),

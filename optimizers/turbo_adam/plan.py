@@ -6,6 +6,11 @@ the layout's v is factored (Adafactor's row and column statistics of this step's
 update launch. On CUDA one launch covers all its tensors through pointer tables; under the
 interpreter (CPU tests) there is one launch per tensor, whose programs cannot load addresses.
 
+FSDP2's sharded matrices (rows split on one mesh dim) take their own launches (``split_rows``):
+``run_stats`` leaves this rank's column sums of g² in buffers the optimizer adds over the shard
+group (``distributed.ColumnSums``), then ``run`` finishes the column statistics (a columns launch)
+and steps the local rows as one process would, the random bits those of the global elements.
+
 Nothing in ``run`` reads the device: step counts, lr, GradScaler's scale and inf, telemetry all
 stay there, so a step can be captured in a CUDA graph.
 """
@@ -20,10 +25,11 @@ from kernel_factory.generator import TURBO_ADAM, detect_arch, load, select
 from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES, LrBuffer, kernel_path, log2_pair, pointer_table, share_step_counts
 from ..shared.checks import checked_grads
-from ..shared.dtensor import DTensor
+from ..shared.dtensor import DTensor, local
 from ..shared.grad_table import GradTable
 from ..shared.log_codes import PLANE_GROUP
 from . import codecs
+from .distributed import row_span
 from .reference import Layout, matrix_view
 
 AMAX_SLOTS, META = 64, 10  # the template's: telemetry slots, int64 fields per tensor of the meta table
@@ -67,17 +73,25 @@ class LaunchTelemetry:
 
 
 class TurboLaunch:
-    """The fused step of ``params`` (compressed in ``layout``, one device and dtype) and, on CUDA,
-    of ``exact`` (fp32 moments, AdamW's arithmetic). ``seeds``: each param's random stream."""
+    """The fused step of ``params`` (compressed in ``layout``, one device and dtype; plain tensors, or
+    all DTensors whose rows alone are split: their local rows) and, on CUDA, of ``exact`` (plain
+    tensors: fp32 moments, AdamW's arithmetic). ``seeds``: each param's random stream."""
 
     def __init__(self, params: list[Tensor], states: list[dict], layout: Layout, seeds: list[int],
                  exact: tuple[Tensor, ...] = (), exact_states: tuple[dict, ...] = (),
                  multi_tensor: bool = True) -> None:  # fmt: skip
         self.sources = list(params) + list(exact)
-        self.params = [p.detach() for p in self.sources]
+        self.params = [local(p).detach() for p in self.sources]
         self.layout = layout
         self.multi_tensor = multi_tensor
         self.n_coded = len(params)
+        # rows split across ranks (FSDP2): where v is factored, the column sums are added over the
+        # shard group between two launches
+        self.split = isinstance(params[0], DTensor)
+        if any(isinstance(p, DTensor) != self.split for p in self.sources):
+            raise ValueError("TurboLaunch: sharded and plain tensors take separate launches")
+        factored = layout.v_codec == codecs.FACTORED
+        self._column_views: dict[int, Tensor] = {}  # tensor -> its slot of a ColumnSums buffer
         dev = self.device = self.params[0].device
         self.states = list(states) + list(exact_states)
         self.steps = share_step_counts(self.states, dev)
@@ -88,7 +102,7 @@ class TurboLaunch:
         self._one, self._zero = torch.ones((), device=dev), torch.zeros((), device=dev)
         self.variant = dict(multi_tensor=multi_tensor, param_dtype=TRITON_DTYPES[self.params[0].dtype],
                             m_codec="q4" if layout.compress_m else "exact", v_codec=_V_AXIS[layout.v_codec],
-                            exact_items=bool(exact))  # fmt: skip
+                            exact_items=bool(exact), split_rows=self.split and factored)  # fmt: skip
         arch = "cpu" if dev.type == "cpu" else detect_arch(dev)
         total = sum(p.numel() for p in self.params)
         self.config = dict(select(TURBO_ADAM, arch, TURBO_ADAM.variant(**{**self.variant, "grad_scaling": False}),
@@ -105,6 +119,7 @@ class TurboLaunch:
         rows_g = max(cfg["G"], layout.block // PLANE_GROUP)  # a tile holds whole blocks
         self.config["G"] = rows_g
         shapes = [matrix_view(p).shape for p in self.params]
+        spans = [row_span(p) for p in self.sources]  # (global row of local row 0, global rows)
         # vector accesses need every row to start 16 elements apart; offsets fit int32 below 2^31
         self.aligned = all(cols % 16 == 0 for _, cols in shapes)
         self.stats_rows = STATS_ROW_BYTES // self.params[0].element_size()
@@ -119,7 +134,7 @@ class TurboLaunch:
             self.mean = torch.zeros((n, 2), dtype=torch.float32, device=dev)
         meta = torch.zeros((n, META), dtype=torch.int64)
         items, bands = [], {}
-        ws_off, next_rows, next_cols = 0, [], []
+        ws_off, next_rows, next_cols, stripes = 0, [], [], []
         band_slots = stripe_slots = 0  # the stats launch's counters: one per band, one per stripe
         span = cfg["SPAN"] * rows_g
         for t, (rows, cols) in enumerate(shapes):
@@ -141,27 +156,34 @@ class TurboLaunch:
             # sums of col_next [stripes], then log2 col_next [cols] at field 9, 16 elements aligned
             # (the update launch loads it in vectors)
             log2_col_off = -(-(ws_off + nbands * cols + nstripes * (rows + 1)) // 16) * 16 if nbands else 0
-            meta[t] = torch.tensor([rows, cols, 0, seed, item.shape[0], nbands, ws_off, rows, band_rows, log2_col_off])
+            row_base, global_rows = spans[t]
+            meta[t] = torch.tensor([rows, cols, row_base, seed, item.shape[0], nbands, ws_off, global_rows, band_rows,
+                                    log2_col_off])  # fmt: skip
             if nbands:
                 b, st = (x.reshape(-1) for x in torch.meshgrid(torch.arange(nbands), torch.arange(nstripes),
                                                               indexing="ij"))  # fmt: skip
                 bands[t] = torch.stack([torch.full_like(b, t), b, st, band_slots + b, stripe_slots + st], 1)
                 band_slots, stripe_slots = band_slots + nbands, stripe_slots + nstripes
                 ws_off = log2_col_off + cols
-                state = self.states[t]
-                next_rows.append(torch.empty_like(state["exp_avg_sq_row"]))
-                next_cols.append(torch.empty_like(state["exp_avg_sq_col"]))
+                row, col = local(self.states[t]["exp_avg_sq_row"]), local(self.states[t]["exp_avg_sq_col"])
+                next_rows.append(torch.empty_like(row))
+                next_cols.append(self._column_views.get(t, torch.empty_like(col)))
+                stripes.append(torch.stack([torch.full((nstripes,), t), torch.arange(nstripes)], 1))
                 if fresh:
-                    self.mean[t, 0] = state["exp_avg_sq_col"].mean()
+                    self.mean[t, 0] = col.mean()
         # big tensors first: their programs (and their last, stats-adding one) start early
         order = sorted(range(n), key=lambda t: -self.params[t].numel())
         work = torch.cat([items[t] for t in order]).to(torch.int32)
         stats = torch.cat([bands[t] for t in order if t in bands]).to(torch.int32) if bands else None
         self.work = work.contiguous().to(dev)
         self.stats_work = stats.contiguous().to(dev) if stats is not None else None
+        # the columns launch's (tensor, stripe) items: rows split across ranks only
+        self.columns_work = torch.cat(stripes).to(torch.int32).to(dev) if self.split and stripes else None
         # the interpreter's launches, one tensor each
         self._work_of = [work[work[:, 0] == t].contiguous() for t in range(n)] if not self.multi_tensor else []
         self._bands_of = {t: b.to(torch.int32).contiguous() for t, b in bands.items()} if not self.multi_tensor else {}
+        self._stripes_of = {int(st[0, 0]): st.to(torch.int32).contiguous() for st in stripes} \
+            if self.split and not self.multi_tensor else {}  # fmt: skip
         self.meta = meta.to(dev)
         self.workspace = torch.empty(max(ws_off, 1), dtype=torch.float32, device=dev)
         self.band_done = torch.zeros(max(band_slots, 1), dtype=torch.int32, device=dev)
@@ -178,8 +200,9 @@ class TurboLaunch:
         d = self._dummy
         out = [[] for _ in range(9)]
         nxt = iter(zip(self.row_next, self.col_next, strict=True))
-        for t, (p, s) in enumerate(zip(self.params, self.states, strict=True)):
+        for t, (p, state) in enumerate(zip(self.params, self.states, strict=True)):
             coded = t < self.n_coded
+            s = {key: local(x) for key, x in state.items()}  # a sharded param's states: their local rows
             m = s.get("exp_avg_codes", s.get("exp_avg"))
             v = s.get("exp_avg_sq_codes", s.get("exp_avg_sq"))
             rn, cn = next(nxt) if coded and self.layout.v_codec == codecs.FACTORED else (d, d)
@@ -199,39 +222,42 @@ class TurboLaunch:
     def grads(self) -> list[Tensor]:
         return checked_grads(self.sources)
 
+    def use_column_sums(self, views: dict[int, Tensor]) -> None:
+        """Rows split across ranks: keep each factored tensor's column sums (then its col_next) in
+        ``views`` (by ``id`` of the source param: its slot of a ``ColumnSums`` buffer, which the
+        optimizer adds over the shard group between ``run_stats`` and ``run``)."""
+        mine = {t: views[id(p)] for t, p in enumerate(self.sources[: self.n_coded]) if id(p) in views}
+        if mine.keys() != self._column_views.keys() or any(v is not self._column_views[t] for t, v in mine.items()):
+            self._column_views = mine
+            self._build([int(s) for s in self.meta[: self.n_coded, 3].tolist()])
+
+    def run_stats(self, betas: tuple[float, float], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """Rows split across ranks: the stats launch, which leaves this rank's column sums of g² (and
+        the rows' new statistics) for ``run``; nothing otherwise."""
+        if self.split and self.stats_work is not None:
+            self._run("stats", None, betas, 0.0, 0.0, grad_scale, found_inf)
+
     def run(self, lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
             grad_scale: Tensor | None, found_inf: Tensor | None) -> None:  # fmt: skip
+        """One step of the launch's tensors (where rows are split: after ``run_stats`` and the shard
+        group's sum of the column sums)."""
+        self._run("step", lr, betas, eps, weight_decay, grad_scale, found_inf)
+
+    def _run(self, phase: str, lr, betas, eps, weight_decay, grad_scale, found_inf) -> None:
         scaling = grad_scale is not None or found_inf is not None
         # without GradScaler the kernels read neither: constants made once, no per-step allocation
         gs = grad_scale.to(self.device) if grad_scale is not None else self._one
         fi = found_inf.to(self.device) if found_inf is not None else self._zero
         b1, b2 = (float(b) for b in betas)
         upd = (b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), float(eps), float(weight_decay))
+        lr_t = self.lr(lr) if lr is not None else self._zero  # the stats and columns launches read no lr
         if self.multi_tensor:
-            warms = self._warm.pop(scaling, [])
-            precompile.wait_all(warms)
-            g_table = self._grads.update(self.sources, self.grads)
-            for kernel, grid, args, kwargs in self._launches(scaling, g_table, self.lr(lr), gs, fi, upd):
-                kernel[grid](*args, **kwargs)
-            return
-        module = self.kernels(scaling)
-        stats_cfg, upd_cfg = self._launch_configs()
-        stats_tail = (gs, fi, b2, 1.0 - b2)
-        lr_t = self.lr(lr)
-        for t, g in enumerate(self.grads()):  # the interpreter: one tensor per launch, as tensor 0
-            p, m, ms, v, vb, row, col, rn, cn = (ts[t] for ts in self._pointers)
-            meta, step, done, mean = self.meta[t:], self.steps[t:], self.done[t:], self.mean[t:]
-            tel = self.telemetries[t]
-            g = g.contiguous()
-            if t in self._bands_of:
-                bands = self._bands_of[t]
-                module.turbo_adam_stats_kernel[(bands.shape[0],)](
-                    bands, meta, g, row, col, rn, cn, self.workspace, self.stats_done[t:], self.band_done,
-                    self.stripe_done, mean, *stats_tail, **stats_cfg)  # fmt: skip
-            work = self._work_of[t]
-            module.turbo_adam_kernel[(work.shape[0],)](
-                work, meta, p, g, m, ms, v, vb, row, col, rn, cn, self.workspace, step, done, mean, tel.launch, lr_t,
-                gs, fi, tel.amax_slots, tel.clip, *upd, **upd_cfg)  # fmt: skip
+            precompile.wait_all(self._warm.pop(scaling, []))
+            launches = self._launches(scaling, self._grads.update(self.sources, self.grads), lr_t, gs, fi, upd, phase)
+        else:
+            launches = self._single_launches(scaling, lr_t, gs, fi, upd, phase)
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
 
     def _launch_configs(self) -> tuple[dict, dict]:
         """The stats launch's and the update launch's compile-time options."""
@@ -244,24 +270,70 @@ class TurboLaunch:
             upd_cfg["maxnreg"] = cfg["maxnreg"]
         return stats_cfg, upd_cfg
 
-    def _launches(self, scaling: bool, g_table, lr_t, gs, fi, upd: tuple) -> list[tuple]:
-        """(kernel, grid, args, kwargs) of the multi-tensor launches of one step: the stats launch
-        where v is factored, then the update launch. ``upd``: the update's float scalars."""
+    @staticmethod
+    def _phase_launches(phase: str, stats: tuple | None, columns: tuple | None, update: tuple) -> list[tuple]:
+        """The launches of ``phase`` among a step's: ``stats`` (rows split: the stats launch alone),
+        ``step`` (the stats launch unless rows are split, the columns launch if they are, the update
+        launch) or ``all`` (every one, for the background compiles)."""
+        if phase == "stats":
+            return [stats]
+        first = [stats] if phase == "all" or columns is None else []
+        return [x for x in (*first, columns, update) if x is not None]
+
+    def _launches(self, scaling: bool, g_table, lr_t, gs, fi, upd: tuple, phase: str = "all") -> list[tuple]:
+        """(kernel, grid, args, kwargs) of the multi-tensor launches of ``phase`` (``_phase_launches``):
+        the stats launch where v is factored, the columns launch where rows are split, the update
+        launch. ``upd``: the update's float scalars."""
         module = self.kernels(scaling)
         stats_cfg, upd_cfg = self._launch_configs()
         p_t, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t = self._tables
         tel = self.telemetries[0]
-        out = []
+        stats = columns = None
         if self.stats_work is not None:
-            out.append((module.turbo_adam_stats_kernel, (self.stats_work.shape[0],),
-                        (self.stats_work, self.meta, g_table, row_t, col_t, rn_t, cn_t, self.workspace,
-                         self.stats_done, self.band_done, self.stripe_done, self.mean, gs, fi, upd[0], upd[2]),
-                        stats_cfg))  # fmt: skip
-        out.append((module.turbo_adam_kernel, (self.work.shape[0],),
-                    (self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t,
-                     self.workspace, self.steps, self.done, self.mean, tel.launch, lr_t, gs, fi, tel.amax_slots,
-                     tel.clip, *upd), upd_cfg))  # fmt: skip
+            stats = (module.turbo_adam_stats_kernel, (self.stats_work.shape[0],),
+                     (self.stats_work, self.meta, g_table, row_t, col_t, rn_t, cn_t, self.workspace, self.stats_done,
+                      self.band_done, self.stripe_done, self.mean, gs, fi, upd[0], upd[2]), stats_cfg)  # fmt: skip
+        if self.columns_work is not None:
+            columns = (module.turbo_adam_columns_kernel, (self.columns_work.shape[0],),
+                       (self.columns_work, self.meta, col_t, cn_t, self.workspace, self.stats_done, self.mean, fi,
+                        upd[0], upd[2]), self._columns_config())  # fmt: skip
+        update = (module.turbo_adam_kernel, (self.work.shape[0],),
+                  (self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t, self.workspace,
+                   self.steps, self.done, self.mean, tel.launch, lr_t, gs, fi, tel.amax_slots, tel.clip, *upd),
+                  upd_cfg)  # fmt: skip
+        return self._phase_launches(phase, stats, columns, update)
+
+    def _single_launches(self, scaling: bool, lr_t, gs, fi, upd: tuple, phase: str) -> list[tuple]:
+        """The interpreter's launches of ``phase``: one tensor per launch, as tensor 0 of its tables."""
+        module = self.kernels(scaling)
+        stats_cfg, upd_cfg = self._launch_configs()
+        out = []
+        for t, g in enumerate(self.grads()):
+            p, m, ms, v, vb, row, col, rn, cn = (ts[t] for ts in self._pointers)
+            meta, step, done, mean = self.meta[t:], self.steps[t:], self.done[t:], self.mean[t:]
+            tel = self.telemetries[t]
+            g = g.contiguous()
+            stats = columns = None
+            if t in self._bands_of:
+                bands = self._bands_of[t]
+                stats = (module.turbo_adam_stats_kernel, (bands.shape[0],),
+                         (bands, meta, g, row, col, rn, cn, self.workspace, self.stats_done[t:], self.band_done,
+                          self.stripe_done, mean, gs, fi, upd[0], upd[2]), stats_cfg)  # fmt: skip
+            if t in self._stripes_of:
+                columns = (module.turbo_adam_columns_kernel, (self._stripes_of[t].shape[0],),
+                           (self._stripes_of[t], meta, col, cn, self.workspace, self.stats_done[t:], mean, fi, upd[0],
+                            upd[2]), self._columns_config())  # fmt: skip
+            work = self._work_of[t]
+            update = (module.turbo_adam_kernel, (work.shape[0],),
+                      (work, meta, p, g, m, ms, v, vb, row, col, rn, cn, self.workspace, step, done, mean, tel.launch,
+                       lr_t, gs, fi, tel.amax_slots, tel.clip, *upd), upd_cfg)  # fmt: skip
+            if phase != "stats" or stats is not None:
+                out += self._phase_launches(phase, stats, columns, update)
         return out
+
+    def _columns_config(self) -> dict:
+        """The columns launch's compile-time options: stripes as the stats launch's."""
+        return dict(TC=STATS_COLS, ALIGNED=self.aligned, num_warps=STATS_WARPS)
 
     def _precompile(self) -> None:
         """Queue both variants' launches (with and without GradScaler's tensors) for their background
@@ -286,11 +358,11 @@ class TurboLaunch:
 
 
 class TurboGroupPlan:
-    """How one param group steps: fused launches (one per layout, device and dtype; on CUDA the
-    group's exact tensors of that device and dtype ride in the largest), AdamW's stepper for exact
-    tensors left over, and the PyTorch reference for what the kernels do not take (sharded
-    DTensors, block sizes the tiles cannot hold, non-contiguous or empty tensors, the CPU under
-    ``auto``)."""
+    """How one param group steps: fused launches (one per layout, device, dtype and sharded or not;
+    on CUDA the group's plain exact tensors of that device and dtype ride in the largest plain one),
+    AdamW's stepper for exact tensors left over, and the PyTorch reference for what the kernels do not
+    take (block sizes the tiles cannot hold, non-contiguous or empty tensors or local shards, the CPU
+    under ``auto``). Sharded params here are compressed ones: matrices whose rows alone are split."""
 
     def __init__(self, key: tuple, params: list[Tensor], state: dict, layouts: list[Layout], seeds: list[int],
                  mode: str) -> None:  # fmt: skip
@@ -304,12 +376,14 @@ class TurboGroupPlan:
                 exact.append(i)
                 continue
             path = "reference"
-            if not isinstance(p, DTensor) and p.numel() and kernel_block(layout.block):
-                path = kernel_path(p, mode)
+            mine = local(p)
+            if mine.numel() and kernel_block(layout.block):
+                path = kernel_path(mine, mode)
             if path in ("cuda", "interpreter"):
                 _contiguous_state(state[p])
-                fused.setdefault((layout, p.device, p.dtype), []).append(i)
-                paths[(layout, p.device, p.dtype)] = path
+                key = (layout, mine.device, mine.dtype, isinstance(p, DTensor))
+                fused.setdefault(key, []).append(i)
+                paths[key] = path
             else:
                 self.reference.append(i)
         self.launches: list[TurboLaunch] = []
@@ -321,7 +395,7 @@ class TurboGroupPlan:
         taken = set()
         for k in sorted(fused, key=lambda k: -sum(params[i].numel() for i in fused[k])):
             idx = fused[k]
-            ride = riders.pop((k[1], k[2]), []) if paths[k] == "cuda" else []
+            ride = riders.pop((k[1], k[2]), []) if paths[k] == "cuda" and not k[3] else []
             taken.update(ride)
             self.launches.append(TurboLaunch([params[i] for i in idx], [state[params[i]] for i in idx], k[0],
                                              [seeds[i] for i in idx], tuple(params[i] for i in ride),
@@ -340,9 +414,10 @@ class TurboGroupPlan:
 
 
 def _contiguous_state(state: dict) -> None:
-    """A loaded checkpoint may hold views: the kernels need contiguous state."""
+    """A loaded checkpoint may hold views: the kernels need contiguous state (a sharded state's local
+    tensor; a DTensor made contiguous keeps its placements)."""
     for key, t in state.items():
-        if isinstance(t, Tensor) and key != "step" and not t.is_contiguous():
+        if isinstance(t, Tensor) and key != "step" and not local(t).is_contiguous():
             state[key] = t.contiguous()
 
 
