@@ -1,14 +1,17 @@
 """The distributed layer's cost per training iteration, per rank: step time, exposed communication
-and peak memory, for FSDP2 + each of our optimizers (AdamW, AdamMini with FP8 momentum, Muon),
-FSDP2 + torch's fused AdamW, our ZeRO-2 DistributedAdamW and DDP + torch's fused AdamW, on a
-Llama-shaped model (benchmarks/convergence/model.py); and, for the per-rank step against one GPU,
-each of our optimizers on the unwrapped model (``1gpu+...``: the whole model on every rank, no
-communication; at N ranks compare with the FSDP2 step over 1/N of it).
+and peak memory, for FSDP2 + each of our optimizers (AdamW, AdamMini with FP8 momentum, Muon,
+TurboAdam, Adafactor), FSDP2 + torch's fused AdamW, our ZeRO-2 DistributedAdamW and DDP + torch's
+fused AdamW, on a Llama-shaped model (benchmarks/convergence/model.py); each of our optimizers on
+the unwrapped model (``1gpu+...``: the whole model on every rank, no communication); and, for the
+per-rank step against one GPU, each of our optimizers stepping plain tensors shaped as this rank's
+FSDP2 shards (``shard+...``: no communication, the step alone; Muon: the whole hidden matrices
+this rank owns, matrix j of a same-shape batch on rank j mod N, and the shards of the rest).
 
     torchrun --nproc_per_node 8 benchmarks/bench_dist.py        # NCCL, one GPU per rank
     python benchmarks/bench_dist.py                              # one rank (correct, not telling)
 
-Per configuration: ``iter_ms`` (forward + backward + step, median of the timed iterations),
+Per configuration: ``iter_ms`` (forward + backward + step, median of the timed iterations; none
+for ``shard+``),
 ``step_ms`` (``opt.step()`` alone, with its all-gather for ZeRO-2), ``exposed_comm_ms`` (time the
 GPU spent in communication kernels while no compute kernel ran, from the profiler's kernel
 intervals of one iteration), ``peak_gib`` (``max_memory_allocated`` over the timed iterations) and
@@ -33,11 +36,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 from benchmarks.convergence.model import ModelConfig, TinyLlama  # noqa: E402
-from kernel_factory.optimizers import AdamMini, AdamW, DistributedAdamW, Muon  # noqa: E402
+from kernel_factory.optimizers import Adafactor, AdamMini, AdamW, DistributedAdamW, Muon, TurboAdam  # noqa: E402
+from kernel_factory.optimizers.muon.optimizer import uses_muon  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_dist"
-CONFIGS = ("fsdp2+ours", "fsdp2+adam_mini", "fsdp2+muon", "fsdp2+torch_fused", "zero2_ours", "ddp+torch_fused",
-           "1gpu+ours", "1gpu+adam_mini", "1gpu+muon")
+OURS = ("ours", "adam_mini", "muon", "turbo_adam", "adafactor")  # "ours": our AdamW
+CONFIGS = (*(f"fsdp2+{o}" for o in OURS), "fsdp2+torch_fused", "zero2_ours", "ddp+torch_fused",
+           *(f"1gpu+{o}" for o in OURS), *(f"shard+{o}" for o in OURS))  # fmt: skip
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -56,30 +61,62 @@ def _init() -> tuple[int, int, torch.device, str]:
     return dist.get_rank(), dist.get_world_size(), device, launcher
 
 
-def build(config: str, model_config: ModelConfig, device: torch.device, world: int):
-    """(module to call, optimizer) for ``config``, with bf16 parameters and fp32 optimizer math."""
+def our_optimizer(name: str, named: list[tuple[str, torch.Tensor]], c: ModelConfig) -> torch.optim.Optimizer:
+    """Our optimizer ``name`` (one of OURS) over ``named`` parameters of a model of config ``c``."""
+    params = [p for _, p in named]
+    if name == "ours":
+        return AdamW(params, **HYPER)
+    if name == "adam_mini":
+        return AdamMini(named, dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, **HYPER)
+    if name == "muon":
+        return Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=HYPER["lr"])
+    if name == "turbo_adam":
+        return TurboAdam(params, **HYPER)
+    return Adafactor(params, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"])
+
+
+def shard_params(model: torch.nn.Module, name: str, world: int, rank: int) -> list[tuple[str, torch.Tensor]]:
+    """Plain parameters (with random gradients) shaped as this rank's FSDP2 shards of ``model``'s
+    (``torch.chunk`` on dim 0; a tail rank's may be empty); for Muon (``name``), the hidden matrices
+    this rank owns whole (matrix j of a same-shape batch on rank j mod world) in place of shards."""
+    gen = torch.Generator(device="cpu").manual_seed(rank)
+    out, batch_index = [], {}
+    for n, p in model.named_parameters():
+        if name == "muon" and uses_muon(n, p):
+            j = batch_index[tuple(p.shape)] = batch_index.get(tuple(p.shape), -1) + 1
+            if j % world != rank:
+                continue
+            shape = tuple(p.shape)
+        else:
+            chunks = torch.chunk(torch.empty(p.shape[0], device="meta"), world)
+            shape = (chunks[rank].shape[0] if rank < len(chunks) else 0, *p.shape[1:])
+        t = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(p.device, p.dtype))
+        t.grad = torch.randn(shape, generator=gen).to(p.device, p.dtype)
+        out.append((n, t))
+    return out
+
+
+def build(config: str, model_config: ModelConfig, device: torch.device, world: int, rank: int = 0):
+    """(module to call, optimizer) for ``config``, with bf16 parameters and fp32 optimizer math; for
+    ``shard+...`` the module is None and the optimizer's params hold their gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = TinyLlama(model_config).to(device=device, dtype=torch.bfloat16)
-    c = model_config
-    ours = {"ours": lambda: AdamW(model.parameters(), **HYPER),
-            "adam_mini": lambda: AdamMini(model.named_parameters(), dim=c.dim, n_heads=c.n_heads,
-                                          n_kv_heads=c.n_kv_heads, **HYPER),
-            "muon": lambda: Muon(model.named_parameters(), lr=0.02, weight_decay=0.1, adamw_lr=HYPER["lr"]),
-            }  # fmt: skip
     wrap, _, name = config.partition("+")
     if wrap == "1gpu":
-        return model, ours[name]()
+        return model, our_optimizer(name, list(model.named_parameters()), model_config)
+    if wrap == "shard":
+        return None, our_optimizer(name, shard_params(model, name, world, rank), model_config)
     if wrap == "fsdp2":
         mesh = init_device_mesh("cuda", (world,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        if name in ours:
-            return model, ours[name]()
+        if name in OURS:
+            return model, our_optimizer(name, list(model.named_parameters()), model_config)
         return model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
     if config == "zero2_ours":
         return model, DistributedAdamW(model.parameters(), **HYPER)
@@ -109,8 +146,34 @@ def exposed_ms(kernels: list[tuple[str, float, float]]) -> float:
     return exposed / 1e3
 
 
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+               for s in opt.state.values() for t in s.values() if torch.is_tensor(t))  # fmt: skip
+
+
+def measure_step(config: str, args, opt: torch.optim.Optimizer, device: torch.device, world: int) -> dict:
+    """``opt.step()`` alone on gradients that stay in place (``shard+...``): no communication."""
+    for _ in range(args.warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    steps = []
+    for _ in range(args.iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        torch.cuda.synchronize()
+        steps.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    return dict(config=config, world=world, iter_ms=float("nan"), step_ms=statistics.median(steps),
+                exposed_comm_ms=0.0, peak_gib=peak, state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
+
+
 def measure(config: str, args, model_config: ModelConfig, device: torch.device, world: int, rank: int) -> dict:
-    module, opt = build(config, model_config, device, world)
+    module, opt = build(config, model_config, device, world, rank)
+    if module is None:
+        return measure_step(config, args, opt, device, world)
     gen = torch.Generator(device="cpu").manual_seed(rank)
     x = torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
 
@@ -144,16 +207,17 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
         torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
-    state = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
-                for s in opt.state.values() for t in s.values() if torch.is_tensor(t))  # fmt: skip
     return dict(config=config, world=world, iter_ms=statistics.median(iters), step_ms=statistics.median(steps),
-                exposed_comm_ms=exposed_ms(kernels), peak_gib=peak, state_gib=state / 2**30)  # fmt: skip
+                exposed_comm_ms=exposed_ms(kernels), peak_gib=peak, state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=None, help="default dim / 64")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default max(1, dim / 256)")
+    ap.add_argument("--ffn", type=int, default=None, help="default 8/3 dim, a multiple of 64 (Llama-2-7B: 11008)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=3)
@@ -162,9 +226,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     rank, world, device, launcher = _init()
-    model_config = ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64,
-                               n_kv_heads=max(1, args.dim // 256), ffn_dim=args.dim * 8 // 3 // 64 * 64,
-                               max_seq_len=args.seq)  # fmt: skip
+    heads = args.heads or args.dim // 64
+    model_config = ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=heads,
+                               n_kv_heads=args.kv_heads or max(1, args.dim // 256),
+                               ffn_dim=args.ffn or args.dim * 8 // 3 // 64 * 64, max_seq_len=args.seq)  # fmt: skip
     rows = []
     for config in args.configs.split(","):
         rows.append(measure(config, args, model_config, device, world, rank))
@@ -176,7 +241,8 @@ def main(argv=None) -> None:
                  "| config | iter ms | step ms | exposed comm ms | peak GiB/rank | state GiB/rank |",
                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in rows:
-            lines.append(f"| {r['config']} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {r['exposed_comm_ms']:.2f} | "
+            iter_ms = "n/a" if r["iter_ms"] != r["iter_ms"] else f"{r['iter_ms']:.2f}"  # NaN: the step alone
+            lines.append(f"| {r['config']} | {iter_ms} | {r['step_ms']:.2f} | {r['exposed_comm_ms']:.2f} | "
                          f"{r['peak_gib']:.2f} | {r['state_gib']:.3f} |")  # fmt: skip
         command = f"{launcher.format(world=world)} benchmarks/bench_dist.py {' '.join(argv or sys.argv[1:])}"
         lines += ["", f"Command: {command.strip()}"]

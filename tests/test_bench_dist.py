@@ -1,0 +1,37 @@
+"""The multi-GPU benchmark's one-GPU baseline (``shard+...``): plain tensors shaped as one rank's
+FSDP2 shards, or for Muon the hidden matrices a rank owns (CPU: shapes and ownership only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.bench_dist import shard_params
+from benchmarks.convergence.model import ModelConfig, TinyLlama
+from kernel_factory.optimizers.muon.optimizer import uses_muon
+
+CONFIG = ModelConfig(vocab_size=64, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=16)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_the_ranks_shards_cover_the_model_once(world):
+    model = TinyLlama(CONFIG)
+    for name, p in model.named_parameters():
+        parts = [dict(shard_params(model, "ours", world, r))[name] for r in range(world)]
+        assert [t.shape[0] for t in parts] == [c.shape[0] for c in torch.chunk(p.detach(), world)] + \
+            [0] * (world - len(torch.chunk(p.detach(), world)))  # fmt: skip
+        assert all(t.shape[1:] == p.shape[1:] and t.grad is not None and t.grad.shape == t.shape for t in parts)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_muon_ranks_own_each_hidden_matrix_once_round_robin_by_shape(world):
+    model = TinyLlama(CONFIG)
+    owned = [dict(shard_params(model, "muon", world, r)) for r in range(world)]
+    seen: dict[tuple, int] = {}
+    for name, p in model.named_parameters():
+        if uses_muon(name, p):
+            j = seen[tuple(p.shape)] = seen.get(tuple(p.shape), -1) + 1
+            assert [name in o for o in owned] == [r == j % world for r in range(world)], name
+            assert owned[j % world][name].shape == p.shape
+        else:
+            assert sum(o[name].shape[0] for o in owned) == p.shape[0], name
