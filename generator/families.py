@@ -237,6 +237,9 @@ ADAFACTOR = KernelFamily(
         "state_codec": ("log8", "fp32"),  # 8-bit ln codes (state_bits=8) or the param dtype's values
         "momentum": ("none", "bfloat16", "float32", "int8"),  # the optional first moment's storage (beta1)
         "grad_scaling": (False, True),  # in-kernel unscale and skip-on-inf
+        # rows split across ranks (FSDP2): sums over rows and elements added over the shard group
+        # between the launches, their finishers in launches of their own
+        "split_rows": (False, True),
     },
     tuning_axes=("multi_tensor", "state_codec"),
     tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list

@@ -144,18 +144,36 @@ def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: s
         assert held and all(id(p) in fused for p in held), (len(held), len(fused))
 
 
-def adafactor_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+def adafactor_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
+                                   backend: str = "auto", kernels_only: bool = False) -> None:  # fmt: skip
     """4 Adafactor steps at ``world`` ranks against one process: params and every state within
-    ``tol`` (row statistics split like the rows, column statistics of split matrices replicated)."""
-    states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR, "auto", tol, device)
+    ``tol`` (row statistics split like the rows, column statistics of split matrices replicated).
+    Where ``backend`` takes the fused kernels (CUDA; the interpreter under ``triton``), the sharded
+    matrices and vectors held here take the split launches, one process its launches; the (2, 2, 3)
+    tensor takes PyTorch ops on both sides, whose step sizes round otherwise (host floats in one
+    process, device tensors sharded): ``kernels_only`` leaves it out."""
+    compared = (lambda q: q.dim() <= 2) if kernels_only else (lambda q: True)
+    opt = states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR, backend, tol, device, compared=compared)
+    _took_split_launches(opt, device, backend, lambda p: p.dim() <= 2)
 
 
-def adafactor_int8_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+def adafactor_int8_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
+                                        backend: str = "auto") -> None:  # fmt: skip
     """As ``adafactor_equal_to_one_process`` with an int8 first moment, matrices compared (a sharded
     vector keeps bf16 where one process has codes); codes within ``state_tol`` normwise, as an ulp
     of the sums may move a rounding to the next code."""
-    states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR_INT8, "auto", tol, device, state_tol=1e-2,
-                                compared=lambda q: q.dim() >= 2)  # fmt: skip
+    opt = states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR_INT8, backend, tol, device, state_tol=1e-2,
+                                      compared=lambda q: q.dim() >= 2)  # fmt: skip
+    _took_split_launches(opt, device, backend, lambda p: p.dim() == 2)
+
+
+def _took_split_launches(opt, device: str, backend: str, expected) -> None:
+    """On a fused path, every sharded param held here where ``expected(p)`` stepped in a split launch."""
+    if device == "cuda" or backend == "triton":
+        split = {id(p) for plan in opt._plans.values() for launch in plan.launches if launch.split
+                 for p in launch.sources}  # fmt: skip
+        held = [p for p in opt.state if expected(p) and local(p).numel()]
+        assert held and all(id(p) in split for p in held), (len(held), len(split))
 
 
 def steps_without_host_sync(rank: int, world: int, name: str) -> None:
@@ -330,7 +348,8 @@ def sharded_muon_state(rank: int, world: int, path: str, device: str = "cuda") -
 # AdamMini (FP8 and bf16 momentum: its dtype must survive the load, FP8's scales reshard) sums its
 # blocks' g² in an order that depends on the world size: held to 1e-6 after the resumed step. FP8 and
 # bf16 take PyTorch ops on CPU; fp32 momentum takes the fused kernel under the interpreter. Adafactor's
-# column sums, row-statistic mean and RMS sums are added across the ranks: 1e-6 too.
+# column sums, row-statistic mean and RMS sums are added across the ranks: 1e-6 too. The -fused
+# names take the split launches under the interpreter.
 CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_MUON, "torch", 0.0),
                 "AdamMini-fp8": (lambda ps: sharded_adam_mini(ps, "fp8"), "auto", 1e-6),
                 "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6),
@@ -338,6 +357,7 @@ CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_
                 "TurboAdam": (SHARDED_TURBO_ADAM, "auto", 1e-6),
                 "TurboAdam-fused": (SHARDED_TURBO_ADAM, "triton", 1e-6),
                 "Adafactor": (SHARDED_ADAFACTOR, "auto", 1e-6),
+                "Adafactor-fused": (SHARDED_ADAFACTOR, "triton", 1e-6),
                 "Adafactor-int8": (SHARDED_ADAFACTOR_INT8, "auto", 1e-6)}  # fmt: skip
 
 

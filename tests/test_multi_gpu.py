@@ -72,7 +72,8 @@ def test_turbo_adam_under_fsdp2_follows_the_one_process_kernels(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_adafactor_under_fsdp2_follows_the_one_process_kernels(world):
-    nccl(world, adafactor_equal_to_one_process, 1e-4, "cuda")
+    """Split launches, their sums all-reduced over NCCL: only the sums' order differs."""
+    nccl(world, adafactor_equal_to_one_process, 1e-6, "cuda")
     nccl(world, adafactor_int8_equal_to_one_process, 1e-3, "cuda")
 
 

@@ -28,10 +28,11 @@ from kernel_factory.generator import backend_mode
 from ..shared import log_codes, precompile
 from ..shared.checks import check_param_grad, start_step
 from ..shared.dtensor import DTensor, local
+from ..shared.shard_sums import ShardSums
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from . import momentum
-from .distributed import shardable, sharded_statistics, sharded_steps
+from .distributed import ShardedSteps, shard_slots, shardable, sharded_statistics
 from .plan import AdafactorGroupPlan
 
 STATE_BITS = (8, 32)
@@ -63,8 +64,8 @@ class Adafactor(torch.optim.Optimizer):
     parameter's shape) and ``exp_avg_scale`` (bf16, per 128 values of a row).
 
     Matrices, vectors and scalars on CUDA take the fused kernels (plan.py: three launches per
-    param group, device and dtype, no host sync, CUDA-graph capturable); tensors of 3+ dims,
-    DTensors and the CPU take PyTorch ops. ``GradScaler`` hands the step ``grad_scale`` /
+    param group, device and dtype, no host sync, CUDA-graph capturable), FSDP2's sharded ones
+    their split launches (distributed.py); tensors of 3+ dims and the CPU take PyTorch ops. ``GradScaler`` hands the step ``grad_scale`` /
     ``found_inf``: grads are unscaled, and a step with an inf is skipped.
     """
 
@@ -114,6 +115,7 @@ class Adafactor(torch.optim.Optimizer):
                         maximize=maximize, state_bits=state_bits, beta1=beta1,
                         momentum_dtype=momentum_dtype)  # fmt: skip
         self._plans: dict[int, AdafactorGroupPlan] = {}
+        self._sums: tuple[list, tuple | None] = ([], None)  # (the plans they serve, the shard groups' sums)
         super().__init__(precompile.begin(params), defaults)
         self.telemetry = Telemetry({**AMAX_UPDATE, SKIPPED_STEPS: TOTAL})  # the last step's largest |update|, skips
         precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
@@ -202,34 +204,85 @@ class Adafactor(torch.optim.Optimizer):
         plans = [self._group_plan(index, group) for index, group in enumerate(self.param_groups)]
         # Only the PyTorch path reads found_inf on the host (one sync); the kernels read it on the device.
         skip = found_inf is not None and any(plan.reference for plan, _ in plans) and bool(found_inf.item())
+        sharded = self._sharded_steps(plans, grad_scale, found_inf, skip)
         with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
             for gi, (group, (plan, params)) in enumerate(zip(self.param_groups, plans, strict=True)):
                 for launch in plan.launches:
                     launch.run(group, grad_scale, found_inf)
                 if plan.launches:
                     telemetry.watch("amax_update", plan.update_amax)
+                if gi in sharded:
+                    telemetry.add("amax_update", sharded[gi].apply())
                 if skip or not plan.reference:
                     continue
                 lr = float(group["lr"])  # (a host read of a tensor lr: the PyTorch path's only)
                 eps1, eps2 = group["eps"]
                 position = {id(p): i for i, p in enumerate(group["params"])}
-                sharded = []
                 for i in plan.reference:
                     p = params[i]
-                    check_param_grad(i, local(p), local(p.grad))
-                    grad = local(p.grad) if grad_scale is None else local(p.grad) / grad_scale.to(local(p.grad).device)
-                    grad = -grad if group["maximize"] else grad
                     if isinstance(p, DTensor):
-                        sharded.append((p, grad))
-                        continue
+                        continue  # (ShardedSteps)
                     seed = self._param_seed(gi, position[id(p)])
+                    grad = self._unscaled_grad(i, p, group, grad_scale)
                     telemetry.add("amax_update", self._step_one(p, grad, group, lr, eps1, eps2, seed))
-                if sharded:
-                    ps, grads = [p for p, _ in sharded], [g for _, g in sharded]
-                    eps1 = torch.finfo(ps[0].dtype).eps if eps1 is None else eps1
-                    amax = sharded_steps(ps, grads, [self.state[p] for p in ps], group, lr, eps1, eps2)
-                    telemetry.add("amax_update", amax)
         return loss
+
+    @staticmethod
+    def _unscaled_grad(i: int, p: Tensor, group: dict, grad_scale: Tensor | None) -> Tensor:
+        """Parameter ``i``'s local grad, checked, unscaled and negated under ``maximize``."""
+        check_param_grad(i, local(p), local(p.grad))
+        grad = local(p.grad) if grad_scale is None else local(p.grad) / grad_scale.to(local(p.grad).device)
+        return -grad if group["maximize"] else grad
+
+    def _sharded_steps(self, plans: list, grad_scale: Tensor | None, found_inf: Tensor | None,
+                       skip: bool) -> dict[int, ShardedSteps]:  # fmt: skip
+        """The first two phases of the sharded params' step, around the shard groups' sums (one
+        all-reduce per shard group after each: shard_sums.py): the split launches' (plan.py) and
+        the PyTorch path's (``ShardedSteps``, returned by group index for the last phase). The
+        all-reduces run on every rank even where a step is skipped."""
+        sums = self._shard_sums([plan for plan, _ in plans])
+        if sums is None:
+            return {}
+        red1, red2 = sums
+        red1.zero_()
+        red2.zero_()
+        steps = {}
+        for gi, (group, (plan, params)) in enumerate(zip(self.param_groups, plans, strict=True)):
+            for launch in plan.launches:
+                launch.run_stats(group, grad_scale, found_inf)
+            mine = [(i, params[i]) for i in plan.reference if isinstance(params[i], DTensor)]
+            if mine and not skip:
+                eps1, eps2 = group["eps"]
+                eps1 = torch.finfo(mine[0][1].dtype).eps if eps1 is None else eps1
+                steps[gi] = ShardedSteps([p for _, p in mine], [self._unscaled_grad(i, p, group, grad_scale)
+                                                               for i, p in mine],
+                                         [self.state[p] for _, p in mine], group, float(group["lr"]), eps1, eps2,
+                                         red1, red2)  # fmt: skip
+                steps[gi].local_sums()
+        red1.all_reduce()
+        for gi, (group, (plan, _)) in enumerate(zip(self.param_groups, plans, strict=True)):
+            for launch in plan.launches:
+                launch.run_norm(group, grad_scale, found_inf)
+            if gi in steps:
+                steps[gi].norms()
+        red2.all_reduce()
+        return steps
+
+    def _shard_sums(self, plans: list[AdafactorGroupPlan]) -> tuple[ShardSums, ShardSums] | None:
+        """The shard groups' sums of every sharded param of the optimizer (``shard_slots``: the same
+        slots on every rank, whatever it holds locally), made when the plans change; the split
+        launches keep their sums in them."""
+        served = self._sums[0]
+        if len(served) != len(plans) or any(a is not b for a, b in zip(served, plans, strict=False)):
+            sharded = [p for group in self.param_groups for p in group["params"]
+                       if isinstance(p, DTensor) and p.requires_grad]  # fmt: skip
+            sums = tuple(ShardSums(slots) for slots in shard_slots(sharded)) if sharded else None
+            for plan in plans:
+                for launch in plan.launches:
+                    if launch.split and sums is not None:
+                        launch.use_shard_sums(sums[0].views, sums[1].views)
+            self._sums = (plans, sums)
+        return self._sums[1]
 
     def _group_plan(self, index: int, group: dict) -> tuple[AdafactorGroupPlan, list[Tensor]]:
         """The cached plan of param group ``index`` and the params with grads it was built for

@@ -7,6 +7,13 @@ tensor) and the update launch. On CUDA each launch covers all the tensors throug
 tables; under the interpreter (CPU tests) there is one launch per tensor, whose programs cannot
 load addresses. Nothing in ``run`` reads the device: step counts, lr, GradScaler's scale and inf
 stay there, so a step can be captured in a CUDA graph.
+
+FSDP2's sharded parameters (dim 0 split on one mesh dim, statistics in the param dtype) take
+launches of their own (``split_rows``), in three phases with the shard group's sums between them
+(``shared.shard_sums``; the optimizer issues the all-reduces): ``run_stats`` (the rows' statistics;
+Σ row_next and the column sums of g² of this rank's rows into ``red1``), ``run_norm`` (the column
+statistics and the mean from the added sums; Σ u², Σ p² of this rank's part into ``red2``), ``run``
+(the coefficients from the added sums, then the update launch).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from kernel_factory.generator import ADAFACTOR, detect_arch, load, select
 from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES, LrBuffer, kernel_path, pointer_table, share_step_counts
 from ..shared.checks import checked_grads
-from ..shared.dtensor import DTensor
+from ..shared.dtensor import DTensor, local
 from ..shared.grad_table import GradTable
 
 META = 12  # the template's int64 fields per tensor of the meta table
@@ -39,16 +46,22 @@ def fused(p: Tensor) -> bool:
 
 
 class AdafactorLaunch:
-    """The fused step of ``params`` (one device and dtype). ``coded``: per param, whether its
-    statistics are 8-bit codes (then the launch renders the ``log8`` variant); ``seeds``: each
-    param's random stream (the rounding of its codes); ``momentum``: the first moment's storage
-    dtype (Triton's name, in each state's ``exp_avg``), or ``"none"``."""
+    """The fused step of ``params`` (one device and dtype; plain tensors, or all DTensors whose dim 0
+    alone is split: their local parts). ``coded``: per param, whether its statistics are 8-bit codes
+    (then the launch renders the ``log8`` variant; never for DTensors); ``seeds``: each param's
+    random stream (the rounding of its codes); ``momentum``: the first moment's storage dtype
+    (Triton's name, in each state's ``exp_avg``), or ``"none"``."""
 
     def __init__(self, params: list[Tensor], states: list[dict], coded: list[bool], seeds: list[int],
                  multi_tensor: bool = True, momentum: str = "none") -> None:  # fmt: skip
         self.sources = list(params)
-        self.params = [p.detach() for p in params]
+        self.params = [local(p).detach() for p in params]
         self.states = list(states)
+        # dim 0 split across ranks (FSDP2): sums over rows and elements added over the shard group
+        self.split = isinstance(params[0], DTensor)
+        if any(isinstance(p, DTensor) != self.split for p in params) or (self.split and any(coded)):
+            raise ValueError("AdafactorLaunch: sharded tensors (fp32 statistics) and plain ones take separate launches")
+        self._red_views: tuple[dict, dict] = ({}, {})  # tensor -> its ShardSums slots (red1, red2)
         self.coded = list(coded)
         self.seeds = list(seeds)
         self.multi_tensor = multi_tensor
@@ -58,10 +71,11 @@ class AdafactorLaunch:
         self._dummy = torch.zeros(16, dtype=torch.float32, device=dev)
         self._one, self._zero = torch.ones((), device=dev), torch.zeros((), device=dev)
         self.variant = dict(multi_tensor=multi_tensor, param_dtype=TRITON_DTYPES[self.params[0].dtype],
-                            state_codec="log8" if any(coded) else "fp32", momentum=momentum)  # fmt: skip
+                            state_codec="log8" if any(coded) else "fp32", momentum=momentum,
+                            split_rows=self.split)  # fmt: skip
         arch = "cpu" if dev.type == "cpu" else detect_arch(dev)
         total = sum(p.numel() for p in self.params)
-        self.config = dict(select(ADAFACTOR, arch, ADAFACTOR.variant(**self.variant, grad_scaling=False),
+        self.config = dict(select(ADAFACTOR, arch, ADAFACTOR.variant(**{**self.variant, "grad_scaling": False}),
                                   self.variant["param_dtype"], total))  # fmt: skip
         self._kernels: dict[bool, object] = {}
         self._warm: dict[bool, list[precompile.Warm]] = {}  # kernels compiling in the background
@@ -75,7 +89,7 @@ class AdafactorLaunch:
         br, bc = cfg["ROWS"], cfg["COLS"]
         n = len(self.params)
         meta = torch.zeros((n, META), dtype=torch.int64)
-        stats, tiles = [], []
+        stats, tiles, stripes = [], [], []
         ws_off = band_slots = stripe_slots = 0
         for t, p in enumerate(self.params):
             factored = p.dim() == 2
@@ -88,6 +102,7 @@ class AdafactorLaunch:
                 b, s = (x.reshape(-1) for x in torch.meshgrid(torch.arange(nbands), torch.arange(nstripes),
                                                              indexing="ij"))  # fmt: skip
                 stats.append(torch.stack([torch.full_like(b, t), b, s, band_slots + b, stripe_slots + s], 1))
+                stripes.append(torch.stack([torch.full((nstripes,), t), torch.arange(nstripes)], 1))
                 band_slots, stripe_slots = band_slots + nbands, stripe_slots + nstripes
                 # column partials [bands, cols], row partials [stripes, rows], row_next, col_next, band sums
                 stats_off, row_next = ws_off, ws_off + nbands * cols + nstripes * rows
@@ -109,15 +124,20 @@ class AdafactorLaunch:
         stats_work = torch.cat([stats_of[t] for t in order if t in stats_of]).to(torch.int32) if stats else None
         self.work = work.contiguous().to(dev)
         self.stats_work = stats_work.contiguous().to(dev) if stats_work is not None else None
+        # the columns launch's (tensor, stripe) items: dim 0 split across ranks only
+        self.columns_work = torch.cat(stripes).to(torch.int32).to(dev) if self.split and stripes else None
         if not self.multi_tensor:  # the interpreter's launches, one tensor each
             self._work_of = [work[work[:, 0] == t].contiguous() for t in range(n)]
             self._stats_of = {t: s.to(torch.int32).contiguous() for t, s in stats_of.items()}
+            self._stripes_of = {int(s[0, 0]): s.to(torch.int32).contiguous() for s in stripes}
         self.int64 = any(p.numel() >= 2**31 for p in self.params)
         # rows start 16 elements apart: the compiler may load them in vectors
         self.aligned = all(p.shape[-1] % 16 == 0 for p in self.params if p.dim() == 2)
         self.meta = meta.to(dev)
         self.workspace = torch.empty(max(ws_off, 1), dtype=torch.float32, device=dev)
-        self.scal = torch.zeros((n, 4), dtype=torch.float32, device=dev)  # max(mean row, eps1), coef, -, amax
+        # max(mean row, eps1), coef, global rows (a vector's elements: the split launches' counts), amax
+        self.scal = torch.zeros((n, 4), dtype=torch.float32, device=dev)
+        self.scal[:, 2] = torch.tensor([float(p.shape[0]) if p.dim() else 1.0 for p in self.sources])
         self.done = torch.zeros(n, dtype=torch.int32, device=dev)
         self.rows_done = torch.zeros(n, dtype=torch.int32, device=dev)
         self.band_done = torch.zeros(max(band_slots, 1), dtype=torch.int32, device=dev)
@@ -126,6 +146,7 @@ class AdafactorLaunch:
         self._pointers = self._state_pointers()
         if self.multi_tensor:
             self._tables = [pointer_table(ts, dev) for ts in self._pointers]
+            self._red_tables = [pointer_table(ts, dev) for ts in self._red_pointers()]
 
     def _state_pointers(self) -> list[list[Tensor]]:
         """Per tensor, the tensors behind p, row (row_var, or an elementwise tensor's variance: codes
@@ -133,7 +154,8 @@ class AdafactorLaunch:
         (the dummy where a tensor has none)."""
         d = self._dummy
         out = [[] for _ in range(7)]
-        for p, s in zip(self.params, self.states, strict=True):
+        for p, state in zip(self.params, self.states, strict=True):
+            s = {key: local(x) for key, x in state.items()}  # a sharded param's states: their local parts
             first = "row_var" if p.dim() == 2 else "variance"
             row = s.get(f"{first}_codes", s.get(first))
             col = s.get("col_var_codes", s.get("col_var", d))
@@ -142,6 +164,23 @@ class AdafactorLaunch:
             for i, x in enumerate((p, row, base, col, col_base, m, m_scale)):
                 out[i].append(x)
         return out
+
+    def _red_pointers(self) -> list[list[Tensor]]:
+        """Per tensor, its slots of the shard group's sums (red1: Σ row_next and the column sums of a
+        matrix; red2: Σ u², Σ p²), the dummy where it has none (or before ``use_shard_sums``)."""
+        red1, red2 = self._red_views
+        return [[red1.get(t, self._dummy) for t in range(len(self.params))],
+                [red2.get(t, self._dummy) for t in range(len(self.params))]]  # fmt: skip
+
+    def use_shard_sums(self, red1: dict[int, Tensor], red2: dict[int, Tensor]) -> None:
+        """Dim 0 split across ranks: the slots (by ``id`` of the source param) of ``ShardSums``
+        buffers that the launches write this rank's sums into and read the shard group's from."""
+        views = tuple({t: r[id(p)] for t, p in enumerate(self.sources) if id(p) in r} for r in (red1, red2))
+        if any(v.keys() != old.keys() or any(x is not old[t] for t, x in v.items())
+               for v, old in zip(views, self._red_views, strict=True)):  # fmt: skip
+            self._red_views = views
+            if self.multi_tensor:
+                self._red_tables = [pointer_table(ts, self.device) for ts in self._red_pointers()]
 
     # -- launching -----------------------------------------------------------------------------
     def _load(self, grad_scaling: bool):
@@ -172,11 +211,12 @@ class AdafactorLaunch:
         sign, beta2_decay, eps1², eps2, d, weight_decay, eps1."""
         sign, beta2_decay, eps1_sq, eps2, d, weight_decay, eps1 = floats
         p_t, row_t, rowb_t, col_t, colb_t, m_t, ms_t = self._tables
+        red1, red2 = ((self._red_tables[0],), (self._red_tables[1],)) if self.split else ((), ())
         stats = (self.stats_work, self.meta, g_t, row_t, rowb_t, col_t, colb_t, self.workspace, self.scal, self.steps,
-                 self.rows_done, self.band_done, self.stripe_done, gs, fi, beta2_decay, eps1)  # fmt: skip
+                 self.rows_done, self.band_done, self.stripe_done, gs, fi, beta2_decay, eps1, *red1)  # fmt: skip
         tiles = (self.work, self.meta, p_t, g_t, row_t, rowb_t, self.workspace, self.scal, self.steps, lr, self.done,
                  gs, fi, sign, beta2_decay, eps1_sq, eps2, d, weight_decay,
-                 *_momentum_args(self.variant["momentum"], m_t, beta1, ms_t))  # fmt: skip
+                 *_momentum_args(self.variant["momentum"], m_t, beta1, ms_t), *red2)  # fmt: skip
         return stats, tiles
 
     def _precompile(self) -> None:
@@ -187,18 +227,35 @@ class AdafactorLaunch:
         beta1 = (0.0,) if self.variant["momentum"] != "none" else ()
         stats, tiles = self._multi_tensor_args(self._grads.table, torch.float32, self._one, self._zero, (0.0,) * 7,
                                                beta1)  # fmt: skip
-        warms = [precompile.warm(module.adafactor_tile_kernel, (self.work.shape[0],), tiles,
-                                 dict(APPLY=apply, **tile_cfg), self.device) for apply in (False, True)]  # fmt: skip
+        launches = [(module.adafactor_tile_kernel, (self.work.shape[0],), tiles, dict(APPLY=apply, **tile_cfg))
+                    for apply in (False, True)]  # fmt: skip
         if self.stats_work is not None:
-            warms.append(precompile.warm(module.adafactor_stats_kernel, (self.stats_work.shape[0],), stats,
-                                         stats_cfg, self.device))  # fmt: skip
-        self._warm[False] = warms
+            launches.append((module.adafactor_stats_kernel, (self.stats_work.shape[0],), stats, stats_cfg))
+        if self.split:
+            launches += self._finishers(module, torch.float32, self._zero, (0.0,) * 7)
+        self._warm[False] = precompile.warm_launches(launches, self.device)
 
     def grads(self) -> list[Tensor]:
         return checked_grads(self.sources)
 
+    def run_stats(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """Dim 0 split across ranks: the stats launch (this rank's sums into red1); nothing otherwise."""
+        if self.split:
+            self._run(("stats",), group, grad_scale, found_inf)
+
+    def run_norm(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """Dim 0 split across ranks, after red1 was added over the shard group: the columns launch and
+        the norm launch (this rank's Σ u², Σ p² into red2); nothing otherwise."""
+        if self.split:
+            self._run(("columns", "norm"), group, grad_scale, found_inf)
+
     def run(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        """One step of every tensor with ``group``'s hyperparameters (torch.optim.Adafactor's)."""
+        """One step of every tensor with ``group``'s hyperparameters (torch.optim.Adafactor's); dim 0
+        split across ranks: its last phase (after red2 was added over the shard group)."""
+        self._run(("coef", "update") if self.split else ("stats", "norm", "update"), group, grad_scale, found_inf)
+
+    def _run(self, phases: tuple[str, ...], group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """The launches of ``phases`` (stats, columns, norm, coef, update: the header's order)."""
         eps1, eps2 = group["eps"]
         eps1 = torch.finfo(self.params[0].dtype).eps if eps1 is None else float(eps1)
         scaling = grad_scale is not None or found_inf is not None
@@ -210,33 +267,86 @@ class AdafactorLaunch:
         sign = -1.0 if group["maximize"] else 1.0
         floats = (sign, float(group["beta2_decay"]), eps1 * eps1, float(eps2), float(group["d"]),
                   float(group["weight_decay"]), eps1)  # fmt: skip
-        tail = (gs, fi, *floats[:-1])
-        stats_tail = (gs, fi, float(group["beta2_decay"]), eps1)
-        stats_cfg, tile_cfg = self._configs()
-        momentum = self.variant["momentum"]
-        beta1 = (float(group["beta1"]),) if momentum != "none" else ()
+        beta1 = (float(group["beta1"]),) if self.variant["momentum"] != "none" else ()
         if self.multi_tensor:
-            g_t = self._grads.update(self.sources, self.grads)
-            stats, tiles = self._multi_tensor_args(g_t, lr, gs, fi, floats, beta1)
-            if self.stats_work is not None:
-                module.adafactor_stats_kernel[(self.stats_work.shape[0],)](*stats, **stats_cfg)
-            for apply in (False, True):
-                module.adafactor_tile_kernel[(self.work.shape[0],)](*tiles, APPLY=apply, **tile_cfg)
-            return
-        for t, g in enumerate(self.grads()):  # the interpreter: one tensor per launch, as tensor 0
+            stats, tiles = self._multi_tensor_args(self._grads.update(self.sources, self.grads), lr, gs, fi, floats,
+                                                   beta1)  # fmt: skip
+            finishers = self._finishers(module, lr, fi, floats) if self.split else []
+            launches = self._phase_launches(module, stats, tiles, finishers)
+        else:
+            launches = self._single_launches(module, lr, gs, fi, floats, beta1)
+        for phase, (kernel, grid, args, kwargs) in launches:
+            if phase in phases:
+                kernel[grid](*args, **kwargs)
+
+    def _phase_launches(self, module, stats: tuple, tiles: tuple, finishers: list[tuple]) -> list[tuple]:
+        """(phase, launch) of the multi-tensor launches, in the order a step issues them."""
+        stats_cfg, tile_cfg = self._configs()
+        out = []
+        if self.stats_work is not None:
+            out.append(("stats", (module.adafactor_stats_kernel, (self.stats_work.shape[0],), stats, stats_cfg)))
+        columns, coef = finishers if self.split else (None, None)
+        if columns is not None:
+            out.append(("columns", columns))
+        out.append(("norm", (module.adafactor_tile_kernel, (self.work.shape[0],), tiles,
+                             dict(APPLY=False, **tile_cfg))))  # fmt: skip
+        if coef is not None:
+            out.append(("coef", coef))
+        out.append(("update", (module.adafactor_tile_kernel, (self.work.shape[0],), tiles,
+                               dict(APPLY=True, **tile_cfg))))  # fmt: skip
+        return out
+
+    def _finishers(self, module, lr, fi, floats: tuple) -> list:
+        """The split launches' columns launch (None without factored tensors) and coefficient launch,
+        multi-tensor: (kernel, grid, args, kwargs) each."""
+        _, beta2_decay, _, eps2, d, _, eps1 = floats
+        _, _, _, col_t, colb_t, _, _ = self._tables
+        red1_t, red2_t = self._red_tables
+        columns = None
+        if self.columns_work is not None:
+            columns = (module.adafactor_columns_kernel, (self.columns_work.shape[0],),
+                       (self.columns_work, self.meta, col_t, colb_t, red1_t, self.workspace, self.scal, self.steps, fi,
+                        beta2_decay, eps1), dict(TC=STATS_COLS, num_warps=self.config["STATS_WARPS"]))  # fmt: skip
+        coef = (module.adafactor_coef_kernel, (len(self.params),),
+                (self.meta, red2_t, self.scal, self.steps, lr, fi, eps2, d), dict(num_warps=1))  # fmt: skip
+        return [columns, coef]
+
+    def _single_launches(self, module, lr, gs, fi, floats: tuple, beta1: tuple) -> list[tuple]:
+        """The interpreter's (phase, launch) pairs: one tensor per launch, as tensor 0 of its tables."""
+        stats_cfg, tile_cfg = self._configs()
+        _, beta2_decay, _, eps2, d, _, eps1 = floats
+        tail = (gs, fi, *floats[:-1])
+        momentum = self.variant["momentum"]
+        red1_of, red2_of = self._red_pointers() if self.split else ([], [])
+        out = []
+        for t, g in enumerate(self.grads()):
             p, row, rowb, col, colb, m, ms = (ts[t] for ts in self._pointers)
             meta, scal, step = self.meta[t:], self.scal[t:], self.steps[t:]
+            red1, red2 = ((red1_of[t],), (red2_of[t],)) if self.split else ((), ())
             g = g.contiguous()
             if t in self._stats_of:
                 s = self._stats_of[t]
-                module.adafactor_stats_kernel[(s.shape[0],)](
-                    s, meta, g, row, rowb, col, colb, self.workspace, scal, step, self.rows_done[t:],
-                    self.band_done, self.stripe_done, *stats_tail, **stats_cfg)  # fmt: skip
+                out.append(("stats", (module.adafactor_stats_kernel, (s.shape[0],),
+                                      (s, meta, g, row, rowb, col, colb, self.workspace, scal, step, self.rows_done[t:],
+                                       self.band_done, self.stripe_done, gs, fi, beta2_decay, eps1, *red1),
+                                      stats_cfg)))  # fmt: skip
+            if self.split and t in self._stripes_of:
+                s = self._stripes_of[t]
+                out.append(("columns", (module.adafactor_columns_kernel, (s.shape[0],),
+                                        (s, meta, col, colb, *red1, self.workspace, scal, step, fi, beta2_decay, eps1),
+                                        dict(TC=STATS_COLS))))  # fmt: skip
             work = self._work_of[t]
-            for apply in (False, True):
-                module.adafactor_tile_kernel[(work.shape[0],)](
-                    work, meta, p, g, row, rowb, self.workspace, scal, step, lr, self.done[t:], *tail,
-                    *_momentum_args(momentum, m, beta1, ms), APPLY=apply, **tile_cfg)  # fmt: skip
+            args = (work, meta, p, g, row, rowb, self.workspace, scal, step, lr, self.done[t:], *tail,
+                    *_momentum_args(momentum, m, beta1, ms), *red2)  # fmt: skip
+            out.append(("norm", (module.adafactor_tile_kernel, (work.shape[0],), args, dict(APPLY=False, **tile_cfg))))
+            if self.split:
+                out.append(("coef", (module.adafactor_coef_kernel, (1,),
+                                     (meta, *red2, scal, step, lr, fi, eps2, d), {})))  # fmt: skip
+            out.append(("update", (module.adafactor_tile_kernel, (work.shape[0],), args, dict(APPLY=True, **tile_cfg))))
+        # a phase's launches of every tensor before the next phase's (the sums of all tensors go
+        # out between phases)
+        order = ("stats", "columns", "norm", "coef", "update")
+        return sorted(out, key=lambda x: order.index(x[0]))
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| over this launch's tensors (0-d fp32, no sync)."""
@@ -256,10 +366,11 @@ def _momentum_args(momentum: str, m, beta1: tuple, m_scale) -> tuple:
 
 
 class AdafactorGroupPlan:
-    """How one param group steps: one fused launch per (device, dtype) of the tensors the kernels
-    take (``fused``; on CUDA, or under the interpreter with KERNEL_FACTORY_BACKEND=triton), the
-    PyTorch path for the rest (``reference``: indices into ``params``; tensors of 3+ dims, DTensors,
-    the CPU under ``auto``, dtypes the kernels do not take)."""
+    """How one param group steps: one fused launch per (device, dtype, sharded or not) of the
+    tensors the kernels take (``fused``, of a DTensor its local part: dim 0 split by FSDP2; on CUDA,
+    or under the interpreter with KERNEL_FACTORY_BACKEND=triton), the PyTorch path for the rest
+    (``reference``: indices into ``params``; tensors of 3+ dims, empty local parts, a sharded vector
+    whose int8 first moment became bf16, the CPU under ``auto``, dtypes the kernels do not take)."""
 
     def __init__(self, key: tuple, params: list[Tensor], states: list[dict], coded: list[bool], seeds: list[int],
                  mode: str, momentum: str = "none") -> None:  # fmt: skip
@@ -268,10 +379,14 @@ class AdafactorGroupPlan:
         paths = {}
         self.reference: list[int] = []
         for i, p in enumerate(params):
-            path = kernel_path(p, mode) if not isinstance(p, DTensor) and fused(p) else "reference"
+            mine, sharded = local(p), isinstance(p, DTensor)
+            # a sharded vector asked for int8 momentum keeps bf16 (momentum.py): not the launch's variant
+            takes = fused(mine) and not (sharded and momentum == "int8" and p.dim() < 2)
+            path = kernel_path(mine, mode) if takes else "reference"
             if path in ("cuda", "interpreter"):
-                buckets.setdefault((p.device, p.dtype), []).append(i)
-                paths[(p.device, p.dtype)] = path
+                key = (mine.device, mine.dtype, sharded)
+                buckets.setdefault(key, []).append(i)
+                paths[key] = path
             else:
                 self.reference.append(i)
         self.launches = [AdafactorLaunch([params[i] for i in idx], [states[i] for i in idx], [coded[i] for i in idx],

@@ -26,11 +26,12 @@ from ..shared.checks import (
     start_step,
 )
 from ..shared.dtensor import DTensor, local, local_row_indices
+from ..shared.shard_sums import ShardSums
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, STEP_SUM, TOTAL, Telemetry
 from . import codecs
-from .distributed import ColumnSums, compressible, local_state, shard_state
+from .distributed import add_column_sums, compressible, local_state, shard_state
 from .plan import TurboGroupPlan
 from .reference import Layout, convert_state, decoded_moments, init_state, layout_of_state, matrix_view, turbo_adam_step
 
@@ -121,7 +122,7 @@ class TurboAdam(torch.optim.Optimizer):
         super().__init__(precompile.begin(params), defaults)
         self._exact_plans: dict[int, object] = {}
         self._plans: dict[int, TurboGroupPlan] = {}
-        self._columns: tuple[list, ColumnSums | None] = ([], None)  # (the plans it serves, its buffers)
+        self._columns: tuple[list, ShardSums | None] = ([], None)  # (the plans it serves, its buffers)
         self.telemetry = Telemetry(TELEMETRY)
         precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
 
@@ -220,16 +221,16 @@ class TurboAdam(torch.optim.Optimizer):
                 self._step_group(index, group, plan, params, grad_scale, found_inf, skip, columns, telemetry)
         return loss
 
-    def _column_sums(self, plans: list[TurboGroupPlan]) -> ColumnSums | None:
-        """The column-sum buffers of every sharded factored matrix of the optimizer (the same list on
-        every rank, whatever it holds locally), made when the plans change; the fused launches keep
-        their sums in them."""
+    def _column_sums(self, plans: list[TurboGroupPlan]) -> ShardSums | None:
+        """The column sums of g² of every sharded factored matrix of the optimizer (a slot of its
+        columns each, the same on every rank whatever it holds locally), made when the plans change;
+        the fused launches keep their sums in them."""
         served = self._columns[0]
         if len(served) != len(plans) or any(a is not b for a, b in zip(served, plans, strict=False)):
             sharded = [p for group in self.param_groups for p in group["params"]
                        if isinstance(p, DTensor) and p.requires_grad
                        and self.layout(p, group).v_codec == codecs.FACTORED]  # fmt: skip
-            columns = ColumnSums(sharded) if sharded else None
+            columns = ShardSums([(p, math.prod(p.shape[1:])) for p in sharded]) if sharded else None
             for plan in plans:
                 for launch in plan.launches:
                     if launch.split and columns is not None:
@@ -237,7 +238,7 @@ class TurboAdam(torch.optim.Optimizer):
             self._columns = (plans, columns)
         return self._columns[1]
 
-    def _sum_columns(self, columns: ColumnSums, plans: list, grad_scale: Tensor | None, found_inf: Tensor | None,
+    def _sum_columns(self, columns: ShardSums, plans: list, grad_scale: Tensor | None, found_inf: Tensor | None,
                      skip: bool) -> None:  # fmt: skip
         """Each rank's sums of g² per column of its rows of the sharded factored matrices (the fused
         stats launches, PyTorch ops on the reference path), added over each shard group: one
@@ -248,10 +249,10 @@ class TurboAdam(torch.optim.Optimizer):
                 launch.run_stats(group["betas"], grad_scale, found_inf)
             for i in plan.reference:
                 p = params[i]
-                if id(p) in columns.views and not skip and local(p).numel():
+                if p in columns and not skip and local(p).numel():
                     check_param_grad(i, local(p), local(p.grad))
                     grad = local(p.grad).float()
-                    columns.add_local(p, grad if grad_scale is None else grad / grad_scale.to(grad.device))
+                    add_column_sums(columns[p], grad if grad_scale is None else grad / grad_scale.to(grad.device))
         columns.all_reduce()
 
     def _group_plan(self, index: int, group: dict) -> tuple[TurboGroupPlan, list[Tensor]]:
@@ -283,7 +284,7 @@ class TurboAdam(torch.optim.Optimizer):
         return plan
 
     def _step_group(self, index: int, group: dict, plan: TurboGroupPlan, params: list[Tensor],
-                    grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool, columns: ColumnSums | None,
+                    grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool, columns: ShardSums | None,
                     telemetry: Telemetry) -> None:  # fmt: skip
         """One param group: fused launches, exact params through AdamW's stepper, the rest through
         the reference."""
@@ -308,7 +309,7 @@ class TurboAdam(torch.optim.Optimizer):
             grad = grad if grad_scale is None else grad.float() / grad_scale.to(grad.device)
             rows = local_row_indices(p) if isinstance(p, DTensor) else None
             # a sharded factored matrix: the mean of (unscaled) g² over every rank's rows
-            col_mean = columns.mean(p) if columns is not None and id(p) in columns.views else None
+            col_mean = columns[p] / p.shape[0] if columns is not None and p in columns else None
             amax = turbo_adam_step(local(p), grad, local_state(self.state[p]), self.layout(p, group),
                                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                                    weight_decay=float(group["weight_decay"]),

@@ -8,7 +8,7 @@ interpreter (CPU tests) there is one launch per tensor, whose programs cannot lo
 
 FSDP2's sharded matrices (rows split on one mesh dim) take their own launches (``split_rows``):
 ``run_stats`` leaves this rank's column sums of g² in buffers the optimizer adds over the shard
-group (``distributed.ColumnSums``), then ``run`` finishes the column statistics (a columns launch)
+group (``shared.shard_sums``), then ``run`` finishes the column statistics (a columns launch)
 and steps the local rows as one process would, the random bits those of the global elements.
 
 Nothing in ``run`` reads the device: step counts, lr, GradScaler's scale and inf, telemetry all
@@ -91,7 +91,7 @@ class TurboLaunch:
         if any(isinstance(p, DTensor) != self.split for p in self.sources):
             raise ValueError("TurboLaunch: sharded and plain tensors take separate launches")
         factored = layout.v_codec == codecs.FACTORED
-        self._column_views: dict[int, Tensor] = {}  # tensor -> its slot of a ColumnSums buffer
+        self._column_views: dict[int, Tensor] = {}  # tensor -> its slot of a ShardSums buffer
         dev = self.device = self.params[0].device
         self.states = list(states) + list(exact_states)
         self.steps = share_step_counts(self.states, dev)
@@ -224,7 +224,7 @@ class TurboLaunch:
 
     def use_column_sums(self, views: dict[int, Tensor]) -> None:
         """Rows split across ranks: keep each factored tensor's column sums (then its col_next) in
-        ``views`` (by ``id`` of the source param: its slot of a ``ColumnSums`` buffer, which the
+        ``views`` (by ``id`` of the source param: its slot of a ``ShardSums`` buffer, which the
         optimizer adds over the shard group between ``run_stats`` and ``run``)."""
         mine = {t: views[id(p)] for t, p in enumerate(self.sources[: self.n_coded]) if id(p) in views}
         if mine.keys() != self._column_views.keys() or any(v is not self._column_views[t] for t, v in mine.items()):

@@ -1,0 +1,55 @@
+"""Sums over every rank's shard of FSDP2's sharded parameters, added in one all-reduce per shard group.
+
+An optimizer whose step needs a sum that spans the ranks (a column statistic over all rows, a norm
+over all elements) gives each such parameter a slot of fixed size in a buffer of its shard group
+(``row_shard_group``) and device. A step zeroes the buffers, each rank writes its own part's sums
+into its slots (a kernel, or PyTorch ops), ``all_reduce`` adds them (SUM: Gloo has no AVG), and the
+slots are read back. The slots are the same on every rank, whatever each one holds locally (a rank
+with no rows of a parameter leaves zeros): the collectives match whichever path a rank's part
+takes, and there is one per shard group and device a step, not one per parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .dtensor import DTensor, local, row_shard_group
+
+
+class ShardSums:
+    """fp32 buffers for ``slots``: (param, size) pairs, DTensors whose dim 0 alone is split, in the
+    same order on every rank. ``views[id(p)]`` is p's slot (``size`` elements, starting on a
+    16-element boundary, as the kernels may load it in vectors)."""
+
+    def __init__(self, slots: list[tuple[DTensor, int]]) -> None:
+        groups: dict[tuple, tuple] = {}
+        for p, size in slots:
+            group = row_shard_group(p)[0]
+            groups.setdefault((id(group), local(p).device), (group, []))[1].append((p, size))
+        self.buffers: list[tuple[object, Tensor]] = []
+        self.views: dict[int, Tensor] = {}
+        for (_, device), (group, members) in groups.items():
+            offsets = [0]
+            for _, size in members:
+                offsets.append(offsets[-1] + -(-size // 16) * 16)
+            buffer = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
+            self.buffers.append((group, buffer))
+            for (p, size), start in zip(members, offsets, strict=False):
+                self.views[id(p)] = buffer[start : start + size]
+
+    def __contains__(self, p: Tensor) -> bool:
+        return id(p) in self.views
+
+    def __getitem__(self, p: Tensor) -> Tensor:
+        return self.views[id(p)]
+
+    def zero_(self) -> None:
+        for _, buffer in self.buffers:
+            buffer.zero_()
+
+    def all_reduce(self) -> None:
+        """Every slot summed over its shard group: one all-reduce per group and device."""
+        for group, buffer in self.buffers:
+            dist.all_reduce(buffer, group=group)
