@@ -65,8 +65,9 @@ class Adafactor(torch.optim.Optimizer):
 
     Matrices, vectors and scalars on CUDA take the fused kernels (plan.py: three launches per
     param group, device and dtype, no host sync, CUDA-graph capturable), FSDP2's sharded ones
-    their split launches (distributed.py); tensors of 3+ dims and the CPU take PyTorch ops. ``GradScaler`` hands the step ``grad_scale`` /
-    ``found_inf``: grads are unscaled, and a step with an inf is skipped.
+    their split launches (distributed.py); tensors of 3+ dims and the CPU take PyTorch ops.
+    ``GradScaler`` hands the step ``grad_scale`` / ``found_inf``: grads are unscaled, and a step
+    with an inf is skipped.
     """
 
     _step_supports_amp_scaling = True
