@@ -348,16 +348,13 @@ def sharded_muon_state(rank: int, world: int, path: str, device: str = "cuda") -
 # AdamMini (FP8 and bf16 momentum: its dtype must survive the load, FP8's scales reshard) sums its
 # blocks' g² in an order that depends on the world size: held to 1e-6 after the resumed step. FP8 and
 # bf16 take PyTorch ops on CPU; fp32 momentum takes the fused kernel under the interpreter. Adafactor's
-# column sums, row-statistic mean and RMS sums are added across the ranks: 1e-6 too. The -fused
-# names take the split launches under the interpreter.
+# column sums, row-statistic mean and RMS sums are added across the ranks: 1e-6 too.
 CHECKPOINTED = {"AdamW": (OPTIMIZERS["AdamW"], "triton", 0.0), "Muon": (SHARDED_MUON, "torch", 0.0),
                 "AdamMini-fp8": (lambda ps: sharded_adam_mini(ps, "fp8"), "auto", 1e-6),
                 "AdamMini-bf16": (lambda ps: sharded_adam_mini(ps, "bf16"), "auto", 1e-6),
                 "AdamMini-fp32": (lambda ps: sharded_adam_mini(ps, "fp32"), "triton", 1e-6),
                 "TurboAdam": (SHARDED_TURBO_ADAM, "auto", 1e-6),
-                "TurboAdam-fused": (SHARDED_TURBO_ADAM, "triton", 1e-6),
                 "Adafactor": (SHARDED_ADAFACTOR, "auto", 1e-6),
-                "Adafactor-fused": (SHARDED_ADAFACTOR, "triton", 1e-6),
                 "Adafactor-int8": (SHARDED_ADAFACTOR_INT8, "auto", 1e-6)}  # fmt: skip
 
 

@@ -80,7 +80,7 @@ def test_turbo_adam_under_fsdp2_follows_the_one_process_step(world, backend, tol
     run_ranks(world, turbo_adam_equal_to_one_process, tol, "cpu", backend)
 
 
-@pytest.mark.parametrize(("world", "backend"), [(2, "auto"), (4, "auto"), (2, "triton")])
+@pytest.mark.parametrize(("world", "backend"), [(2, "auto"), (4, "auto"), (1, "triton")])
 def test_adafactor_int8_momentum_under_fsdp2_follows_the_one_process_step(world, backend):
     """int8 first-moment codes and their per-row block scales split like the rows: a rank codes its
     own rows' blocks, no collective; params within 1e-5 (a moved code is 1/127 of its block)."""
