@@ -137,11 +137,7 @@ def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: s
     sharded matrices with rows held here in their split-rows launches; else both the reference."""
     opt = states_equal_to_one_process(rank, world, SHARDED_TURBO_ADAM, backend, tol, device,
                                       compared=lambda q: q.dim() >= 2)  # fmt: skip
-    if device == "cuda" or backend == "triton":
-        fused = {id(p) for plan in opt._plans.values() for launch in plan.launches if launch.split
-                 for p in launch.sources}  # fmt: skip
-        held = [p for p in opt.state if p.dim() >= 2 and local(p).numel()]
-        assert held and all(id(p) in fused for p in held), (len(held), len(fused))
+    took_split_launches(opt, device, backend, lambda p: p.dim() >= 2)
 
 
 def adafactor_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
@@ -154,7 +150,7 @@ def adafactor_equal_to_one_process(rank: int, world: int, tol: float, device: st
     process, device tensors sharded): ``kernels_only`` leaves it out."""
     compared = (lambda q: q.dim() <= 2) if kernels_only else (lambda q: True)
     opt = states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR, backend, tol, device, compared=compared)
-    _took_split_launches(opt, device, backend, lambda p: p.dim() <= 2)
+    took_split_launches(opt, device, backend, lambda p: p.dim() <= 2)
 
 
 def adafactor_int8_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
@@ -164,10 +160,10 @@ def adafactor_int8_equal_to_one_process(rank: int, world: int, tol: float, devic
     of the sums may move a rounding to the next code."""
     opt = states_equal_to_one_process(rank, world, SHARDED_ADAFACTOR_INT8, backend, tol, device, state_tol=1e-2,
                                       compared=lambda q: q.dim() >= 2)  # fmt: skip
-    _took_split_launches(opt, device, backend, lambda p: p.dim() == 2)
+    took_split_launches(opt, device, backend, lambda p: p.dim() == 2)
 
 
-def _took_split_launches(opt, device: str, backend: str, expected) -> None:
+def took_split_launches(opt, device: str, backend: str, expected) -> None:
     """On a fused path, every sharded param held here where ``expected(p)`` stepped in a split launch."""
     if device == "cuda" or backend == "triton":
         split = {id(p) for plan in opt._plans.values() for launch in plan.launches if launch.split

@@ -146,7 +146,8 @@ class AdafactorLaunch:
         self._pointers = self._state_pointers()
         if self.multi_tensor:
             self._tables = [pointer_table(ts, dev) for ts in self._pointers]
-            self._red_tables = [pointer_table(ts, dev) for ts in self._red_pointers()]
+            if self.split:
+                self._red_tables = [pointer_table(ts, dev) for ts in self._red_pointers()]
 
     def _state_pointers(self) -> list[list[Tensor]]:
         """Per tensor, the tensors behind p, row (row_var, or an elementwise tensor's variance: codes
@@ -223,17 +224,11 @@ class AdafactorLaunch:
         """Start compiling the launches' kernels (without GradScaler's tensors) in the background:
         a dtype stands for the lr tensor, zeros for the group's floats (precompile.py)."""
         module = self._load(False)
-        stats_cfg, tile_cfg = self._configs()
         beta1 = (0.0,) if self.variant["momentum"] != "none" else ()
-        stats, tiles = self._multi_tensor_args(self._grads.table, torch.float32, self._one, self._zero, (0.0,) * 7,
-                                               beta1)  # fmt: skip
-        launches = [(module.adafactor_tile_kernel, (self.work.shape[0],), tiles, dict(APPLY=apply, **tile_cfg))
-                    for apply in (False, True)]  # fmt: skip
-        if self.stats_work is not None:
-            launches.append((module.adafactor_stats_kernel, (self.stats_work.shape[0],), stats, stats_cfg))
-        if self.split:
-            launches += self._finishers(module, torch.float32, self._zero, (0.0,) * 7)
-        self._warm[False] = precompile.warm_launches(launches, self.device)
+        floats = (0.0,) * 7
+        stats, tiles = self._multi_tensor_args(self._grads.table, torch.float32, self._one, self._zero, floats, beta1)
+        launches = self._phase_launches(module, stats, tiles, torch.float32, self._zero, floats)
+        self._warm[False] = precompile.warm_launches([launch for _, launch in launches], self.device)
 
     def grads(self) -> list[Tensor]:
         return checked_grads(self.sources)
@@ -271,32 +266,26 @@ class AdafactorLaunch:
         if self.multi_tensor:
             stats, tiles = self._multi_tensor_args(self._grads.update(self.sources, self.grads), lr, gs, fi, floats,
                                                    beta1)  # fmt: skip
-            finishers = self._finishers(module, lr, fi, floats) if self.split else []
-            launches = self._phase_launches(module, stats, tiles, finishers)
+            launches = self._phase_launches(module, stats, tiles, lr, fi, floats)
         else:
             launches = self._single_launches(module, lr, gs, fi, floats, beta1)
         for phase, (kernel, grid, args, kwargs) in launches:
             if phase in phases:
                 kernel[grid](*args, **kwargs)
 
-    def _phase_launches(self, module, stats: tuple, tiles: tuple, finishers: list[tuple]) -> list[tuple]:
-        """(phase, launch) of the multi-tensor launches, in the order a step issues them."""
+    def _phase_launches(self, module, stats: tuple, tiles: tuple, lr, fi, floats: tuple) -> list[tuple]:
+        """(phase, launch) of the multi-tensor launches, in the order a step issues them (``stats``,
+        ``tiles``: ``_multi_tensor_args``'s)."""
         stats_cfg, tile_cfg = self._configs()
-        out = []
-        if self.stats_work is not None:
-            out.append(("stats", (module.adafactor_stats_kernel, (self.stats_work.shape[0],), stats, stats_cfg)))
-        columns, coef = finishers if self.split else (None, None)
-        if columns is not None:
-            out.append(("columns", columns))
-        out.append(("norm", (module.adafactor_tile_kernel, (self.work.shape[0],), tiles,
-                             dict(APPLY=False, **tile_cfg))))  # fmt: skip
-        if coef is not None:
-            out.append(("coef", coef))
-        out.append(("update", (module.adafactor_tile_kernel, (self.work.shape[0],), tiles,
-                               dict(APPLY=True, **tile_cfg))))  # fmt: skip
-        return out
+        columns, coef = self._finishers(module, lr, fi, floats) if self.split else (None, None)
+        stats = (module.adafactor_stats_kernel, (self.stats_work.shape[0],), stats, stats_cfg) \
+            if self.stats_work is not None else None  # fmt: skip
+        norm, update = ((module.adafactor_tile_kernel, (self.work.shape[0],), tiles, dict(APPLY=apply, **tile_cfg))
+                        for apply in (False, True))  # fmt: skip
+        out = [("stats", stats), ("columns", columns), ("norm", norm), ("coef", coef), ("update", update)]
+        return [(phase, launch) for phase, launch in out if launch is not None]
 
-    def _finishers(self, module, lr, fi, floats: tuple) -> list:
+    def _finishers(self, module, lr, fi, floats: tuple) -> tuple:
         """The split launches' columns launch (None without factored tensors) and coefficient launch,
         multi-tensor: (kernel, grid, args, kwargs) each."""
         _, beta2_decay, _, eps2, d, _, eps1 = floats
@@ -309,7 +298,7 @@ class AdafactorLaunch:
                         beta2_decay, eps1), dict(TC=STATS_COLS, num_warps=self.config["STATS_WARPS"]))  # fmt: skip
         coef = (module.adafactor_coef_kernel, (len(self.params),),
                 (self.meta, red2_t, self.scal, self.steps, lr, fi, eps2, d), dict(num_warps=1))  # fmt: skip
-        return [columns, coef]
+        return columns, coef
 
     def _single_launches(self, module, lr, gs, fi, floats: tuple, beta1: tuple) -> list[tuple]:
         """The interpreter's (phase, launch) pairs: one tensor per launch, as tensor 0 of its tables."""

@@ -235,15 +235,18 @@ class TurboLaunch:
         """Rows split across ranks: the stats launch, which leaves this rank's column sums of g² (and
         the rows' new statistics) for ``run``; nothing otherwise."""
         if self.split and self.stats_work is not None:
-            self._run("stats", None, betas, 0.0, 0.0, grad_scale, found_inf)
+            self._run(("stats",), None, betas, 0.0, 0.0, grad_scale, found_inf)
 
     def run(self, lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
             grad_scale: Tensor | None, found_inf: Tensor | None) -> None:  # fmt: skip
         """One step of the launch's tensors (where rows are split: after ``run_stats`` and the shard
         group's sum of the column sums)."""
-        self._run("step", lr, betas, eps, weight_decay, grad_scale, found_inf)
+        phases = ("columns", "update") if self.split else ("stats", "update")
+        self._run(phases, lr, betas, eps, weight_decay, grad_scale, found_inf)
 
-    def _run(self, phase: str, lr, betas, eps, weight_decay, grad_scale, found_inf) -> None:
+    def _run(self, phases: tuple[str, ...], lr, betas, eps, weight_decay, grad_scale, found_inf) -> None:
+        """The launches of ``phases`` (stats, columns, update: a step's order; columns where rows are
+        split)."""
         scaling = grad_scale is not None or found_inf is not None
         # without GradScaler the kernels read neither: constants made once, no per-step allocation
         gs = grad_scale.to(self.device) if grad_scale is not None else self._one
@@ -253,11 +256,12 @@ class TurboLaunch:
         lr_t = self.lr(lr) if lr is not None else self._zero  # the stats and columns launches read no lr
         if self.multi_tensor:
             precompile.wait_all(self._warm.pop(scaling, []))
-            launches = self._launches(scaling, self._grads.update(self.sources, self.grads), lr_t, gs, fi, upd, phase)
+            launches = self._launches(scaling, self._grads.update(self.sources, self.grads), lr_t, gs, fi, upd)
         else:
-            launches = self._single_launches(scaling, lr_t, gs, fi, upd, phase)
-        for kernel, grid, args, kwargs in launches:
-            kernel[grid](*args, **kwargs)
+            launches = self._single_launches(scaling, lr_t, gs, fi, upd)
+        for phase, (kernel, grid, args, kwargs) in launches:
+            if phase in phases:
+                kernel[grid](*args, **kwargs)
 
     def _launch_configs(self) -> tuple[dict, dict]:
         """The stats launch's and the update launch's compile-time options."""
@@ -270,41 +274,32 @@ class TurboLaunch:
             upd_cfg["maxnreg"] = cfg["maxnreg"]
         return stats_cfg, upd_cfg
 
-    @staticmethod
-    def _phase_launches(phase: str, stats: tuple | None, columns: tuple | None, update: tuple) -> list[tuple]:
-        """The launches of ``phase`` among a step's: ``stats`` (rows split: the stats launch alone),
-        ``step`` (the stats launch unless rows are split, the columns launch if they are, the update
-        launch) or ``all`` (every one, for the background compiles)."""
-        if phase == "stats":
-            return [stats]
-        first = [stats] if phase == "all" or columns is None else []
-        return [x for x in (*first, columns, update) if x is not None]
-
-    def _launches(self, scaling: bool, g_table, lr_t, gs, fi, upd: tuple, phase: str = "all") -> list[tuple]:
-        """(kernel, grid, args, kwargs) of the multi-tensor launches of ``phase`` (``_phase_launches``):
-        the stats launch where v is factored, the columns launch where rows are split, the update
-        launch. ``upd``: the update's float scalars."""
+    def _launches(self, scaling: bool, g_table, lr_t, gs, fi, upd: tuple) -> list[tuple]:
+        """(phase, (kernel, grid, args, kwargs)) of a step's multi-tensor launches: the stats launch
+        where v is factored, the columns launch where rows are split, the update launch. ``upd``: the
+        update's float scalars."""
         module = self.kernels(scaling)
         stats_cfg, upd_cfg = self._launch_configs()
         p_t, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t = self._tables
         tel = self.telemetries[0]
-        stats = columns = None
+        out = []
         if self.stats_work is not None:
-            stats = (module.turbo_adam_stats_kernel, (self.stats_work.shape[0],),
-                     (self.stats_work, self.meta, g_table, row_t, col_t, rn_t, cn_t, self.workspace, self.stats_done,
-                      self.band_done, self.stripe_done, self.mean, gs, fi, upd[0], upd[2]), stats_cfg)  # fmt: skip
+            out.append(("stats", (module.turbo_adam_stats_kernel, (self.stats_work.shape[0],),
+                                  (self.stats_work, self.meta, g_table, row_t, col_t, rn_t, cn_t, self.workspace,
+                                   self.stats_done, self.band_done, self.stripe_done, self.mean, gs, fi, upd[0],
+                                   upd[2]), stats_cfg)))  # fmt: skip
         if self.columns_work is not None:
-            columns = (module.turbo_adam_columns_kernel, (self.columns_work.shape[0],),
-                       (self.columns_work, self.meta, col_t, cn_t, self.workspace, self.stats_done, self.mean, fi,
-                        upd[0], upd[2]), self._columns_config())  # fmt: skip
-        update = (module.turbo_adam_kernel, (self.work.shape[0],),
-                  (self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t, self.workspace,
-                   self.steps, self.done, self.mean, tel.launch, lr_t, gs, fi, tel.amax_slots, tel.clip, *upd),
-                  upd_cfg)  # fmt: skip
-        return self._phase_launches(phase, stats, columns, update)
+            out.append(("columns", (module.turbo_adam_columns_kernel, (self.columns_work.shape[0],),
+                                    (self.columns_work, self.meta, col_t, cn_t, self.workspace, self.stats_done,
+                                     self.mean, fi, upd[0], upd[2]), self._columns_config())))  # fmt: skip
+        out.append(("update", (module.turbo_adam_kernel, (self.work.shape[0],),
+                               (self.work, self.meta, p_t, g_table, m_t, ms_t, v_t, vb_t, row_t, col_t, rn_t, cn_t,
+                                self.workspace, self.steps, self.done, self.mean, tel.launch, lr_t, gs, fi,
+                                tel.amax_slots, tel.clip, *upd), upd_cfg)))  # fmt: skip
+        return out
 
-    def _single_launches(self, scaling: bool, lr_t, gs, fi, upd: tuple, phase: str) -> list[tuple]:
-        """The interpreter's launches of ``phase``: one tensor per launch, as tensor 0 of its tables."""
+    def _single_launches(self, scaling: bool, lr_t, gs, fi, upd: tuple) -> list[tuple]:
+        """The interpreter's (phase, launch) pairs: one tensor per launch, as tensor 0 of its tables."""
         module = self.kernels(scaling)
         stats_cfg, upd_cfg = self._launch_configs()
         out = []
@@ -313,22 +308,20 @@ class TurboLaunch:
             meta, step, done, mean = self.meta[t:], self.steps[t:], self.done[t:], self.mean[t:]
             tel = self.telemetries[t]
             g = g.contiguous()
-            stats = columns = None
             if t in self._bands_of:
                 bands = self._bands_of[t]
-                stats = (module.turbo_adam_stats_kernel, (bands.shape[0],),
-                         (bands, meta, g, row, col, rn, cn, self.workspace, self.stats_done[t:], self.band_done,
-                          self.stripe_done, mean, gs, fi, upd[0], upd[2]), stats_cfg)  # fmt: skip
+                out.append(("stats", (module.turbo_adam_stats_kernel, (bands.shape[0],),
+                                      (bands, meta, g, row, col, rn, cn, self.workspace, self.stats_done[t:],
+                                       self.band_done, self.stripe_done, mean, gs, fi, upd[0], upd[2]),
+                                      stats_cfg)))  # fmt: skip
             if t in self._stripes_of:
-                columns = (module.turbo_adam_columns_kernel, (self._stripes_of[t].shape[0],),
-                           (self._stripes_of[t], meta, col, cn, self.workspace, self.stats_done[t:], mean, fi, upd[0],
-                            upd[2]), self._columns_config())  # fmt: skip
+                out.append(("columns", (module.turbo_adam_columns_kernel, (self._stripes_of[t].shape[0],),
+                                        (self._stripes_of[t], meta, col, cn, self.workspace, self.stats_done[t:],
+                                         mean, fi, upd[0], upd[2]), self._columns_config())))  # fmt: skip
             work = self._work_of[t]
-            update = (module.turbo_adam_kernel, (work.shape[0],),
-                      (work, meta, p, g, m, ms, v, vb, row, col, rn, cn, self.workspace, step, done, mean, tel.launch,
-                       lr_t, gs, fi, tel.amax_slots, tel.clip, *upd), upd_cfg)  # fmt: skip
-            if phase != "stats" or stats is not None:
-                out += self._phase_launches(phase, stats, columns, update)
+            out.append(("update", (module.turbo_adam_kernel, (work.shape[0],),
+                                   (work, meta, p, g, m, ms, v, vb, row, col, rn, cn, self.workspace, step, done, mean,
+                                    tel.launch, lr_t, gs, fi, tel.amax_slots, tel.clip, *upd), upd_cfg)))  # fmt: skip
         return out
 
     def _columns_config(self) -> dict:
@@ -341,7 +334,7 @@ class TurboLaunch:
         upd = (0.0,) * 9
         for scaling in (False, True):
             launches = self._launches(scaling, self._grads.table, torch.float32, self._one, self._zero, upd)
-            self._warm[scaling] = precompile.warm_launches(launches, self.device)
+            self._warm[scaling] = precompile.warm_launches([launch for _, launch in launches], self.device)
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| of this launch's tensors (0-d fp32, no sync)."""
