@@ -1,7 +1,9 @@
 """The distributed layer's cost per training iteration, per rank: step time, exposed communication
 and peak memory, for FSDP2 + each of our optimizers (AdamW, AdamMini with FP8 momentum, Muon,
-TurboAdam, Adafactor), FSDP2 + torch's fused AdamW, our ZeRO-2 DistributedAdamW and DDP + torch's
-fused AdamW, on a Llama-shaped model (benchmarks/convergence/model.py); each of our optimizers on
+TurboAdam, Adafactor), FSDP2 + torch's fused AdamW, FSDP2 + torch.optim.Muon (DTensor ops),
+FSDP2 + our Muon with every rank gathering and orthogonalizing every matrix (``muon_gather``, the
+baseline of the owner scheme), our ZeRO-2 DistributedAdamW and DDP + torch's fused AdamW, on a
+Llama-shaped model (benchmarks/convergence/model.py); each of our optimizers on
 the unwrapped model (``1gpu+...``: the whole model on every rank, no communication); and, for the
 per-rank step against one GPU, each of our optimizers stepping plain tensors shaped as this rank's
 FSDP2 shards (``shard+...``: no communication, the step alone; Muon: the whole hidden matrices
@@ -28,6 +30,7 @@ import os
 import socket
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -37,11 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.convergence.model import ModelConfig, TinyLlama  # noqa: E402
 from kernel_factory.optimizers import Adafactor, AdamMini, AdamW, DistributedAdamW, Muon, TurboAdam  # noqa: E402
+from kernel_factory.optimizers.muon.distributed import ShardedMuonGroupPlan  # noqa: E402
 from kernel_factory.optimizers.muon.optimizer import uses_muon  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_dist"
 OURS = ("ours", "adam_mini", "muon", "turbo_adam", "adafactor")  # "ours": our AdamW
-CONFIGS = (*(f"fsdp2+{o}" for o in OURS), "fsdp2+torch_fused", "zero2_ours", "ddp+torch_fused",
+CONFIGS = (*(f"fsdp2+{o}" for o in OURS), "fsdp2+torch_fused", "fsdp2+torch_muon", "fsdp2+muon_gather",
+           "zero2_ours", "ddp+torch_fused",
            *(f"1gpu+{o}" for o in OURS), *(f"shard+{o}" for o in OURS))  # fmt: skip
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -75,11 +80,31 @@ def our_optimizer(name: str, named: list[tuple[str, torch.Tensor]], c: ModelConf
     return Adafactor(params, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"])
 
 
+class TorchMuon(torch.optim.Optimizer):
+    """torch.optim.Muon on the hidden matrices (ours' split, ``uses_muon``) and torch's fused AdamW
+    on the rest, stepped together: the peer of our Muon under FSDP2 (DTensor ops, no owner)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        hidden = [p for n, p in named if uses_muon(n, p)]
+        self.parts = [
+            torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1),
+            torch.optim.AdamW([p for n, p in named if not uses_muon(n, p)], fused=True, **HYPER),
+        ]
+        super().__init__([p for _, p in named], {})
+        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+
+    def step(self, closure=None):
+        for part in self.parts:
+            part.step()
+        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+
+
 def shard_params(model: torch.nn.Module, name: str, world: int, rank: int) -> list[tuple[str, torch.Tensor]]:
     """Plain parameters (with random gradients) shaped as this rank's FSDP2 shards of ``model``'s
     (``torch.chunk`` on dim 0; a tail rank's may be empty); for Muon (``name``), the hidden matrices
     this rank owns whole (matrix j of a same-shape batch on rank j mod world) in place of shards."""
-    gen = torch.Generator(device="cpu").manual_seed(rank)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(rank)
     out, batch_index = [], {}
     for n, p in model.named_parameters():
         if name == "muon" and uses_muon(n, p):
@@ -90,8 +115,8 @@ def shard_params(model: torch.nn.Module, name: str, world: int, rank: int) -> li
         else:
             chunks = torch.chunk(torch.empty(p.shape[0], device="meta"), world)
             shape = (chunks[rank].shape[0] if rank < len(chunks) else 0, *p.shape[1:])
-        t = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(p.device, p.dtype))
-        t.grad = torch.randn(shape, generator=gen).to(p.device, p.dtype)
+        t = torch.nn.Parameter((torch.randn(shape, generator=gen, device=device) * 0.02).to(p.dtype))
+        t.grad = torch.randn(shape, generator=gen, device=device).to(p.dtype)
         out.append((n, t))
     return out
 
@@ -104,23 +129,28 @@ def build(config: str, model_config: ModelConfig, device: torch.device, world: i
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = TinyLlama(model_config).to(device=device, dtype=torch.bfloat16)
+    with torch.device(device):  # initialized where it runs: a billion parameters take seconds on the host
+        model = TinyLlama(model_config).to(dtype=torch.bfloat16)
     wrap, _, name = config.partition("+")
     if wrap == "1gpu":
         return model, our_optimizer(name, list(model.named_parameters()), model_config)
     if wrap == "shard":
         return None, our_optimizer(name, shard_params(model, name, world, rank), model_config)
     if wrap == "fsdp2":
-        mesh = init_device_mesh("cuda", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        if name in OURS:
-            return model, our_optimizer(name, list(model.named_parameters()), model_config)
+        # muon_gather: our Muon with every rank gathering and orthogonalizing every matrix
+        ShardedMuonGroupPlan.owner_scheme = name != "muon_gather"
+        if name in OURS or name == "muon_gather":
+            return model, our_optimizer(name.removesuffix("_gather"), list(model.named_parameters()), model_config)
+        if name == "torch_muon":
+            return model, TorchMuon(list(model.named_parameters()))
         return model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
     if config == "zero2_ours":
         return model, DistributedAdamW(model.parameters(), **HYPER)
-    ddp = DistributedDataParallel(model, device_ids=[device.index])
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return ddp, torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
 
 
@@ -211,6 +241,33 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
                 exposed_comm_ms=exposed_ms(kernels), peak_gib=peak, state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
 
 
+def write_tables(
+    args, model_config: ModelConfig, world: int, device: torch.device, rows: list[dict], failed: list[str], command: str
+) -> None:
+    """``bench_dist_w{world}.md`` and ``.csv`` under ``args.out``: the measured rows, then the
+    configurations that failed (rank 0's errors) and the command."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in TinyLlama(model_config).parameters()) / 1e6
+    lines = [f"{params:.0f}M parameters (bf16), batch {args.batch} x {args.seq} tokens per rank, "
+             f"{world} rank(s), {torch.cuda.get_device_name(device)}", "",
+             "| config | iter ms | step ms | exposed comm ms | peak GiB/rank | state GiB/rank |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        iter_ms = "n/a" if r["iter_ms"] != r["iter_ms"] else f"{r['iter_ms']:.2f}"  # NaN: the step alone
+        lines.append(f"| {r['config']} | {iter_ms} | {r['step_ms']:.2f} | {r['exposed_comm_ms']:.2f} | "
+                     f"{r['peak_gib']:.2f} | {r['state_gib']:.3f} |")  # fmt: skip
+    if failed:
+        lines += ["", "Failed (rank 0's errors):", *(f"- {f}" for f in failed)]
+    lines += ["", f"Command: {command}"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"bench_dist_w{world}.md").write_text("\n".join(lines) + "\n")
+    with (args.out / f"bench_dist_w{world}.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["config", "world", "iter_ms", "step_ms", "exposed_comm_ms",
+                                               "peak_gib", "state_gib"])  # fmt: skip
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=768)
@@ -230,29 +287,19 @@ def main(argv=None) -> None:
     model_config = ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=heads,
                                n_kv_heads=args.kv_heads or max(1, args.dim // 256),
                                ffn_dim=args.ffn or args.dim * 8 // 3 // 64 * 64, max_seq_len=args.seq)  # fmt: skip
-    rows = []
+    rows, failed = [], []
     for config in args.configs.split(","):
-        rows.append(measure(config, args, model_config, device, world, rank))
+        try:
+            rows.append(measure(config, args, model_config, device, world, rank))
+        except Exception as e:  # noqa: BLE001 - reported in the table; the other configurations still run
+            traceback.print_exc()
+            failed.append(f"{config}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         torch.cuda.empty_cache()  # the next configuration's peak starts from its own model
+        if rank == 0:  # after each configuration: a run cut short keeps what it measured
+            command = f"{launcher.format(world=world)} benchmarks/bench_dist.py {' '.join(argv or sys.argv[1:])}"
+            write_tables(args, model_config, world, device, rows, failed, command.strip())
     if rank == 0:
-        params = sum(p.numel() for p in TinyLlama(model_config).parameters()) / 1e6
-        lines = [f"{params:.0f}M parameters (bf16), batch {args.batch} x {args.seq} tokens per rank, "
-                 f"{world} rank(s), {torch.cuda.get_device_name(device)}", "",
-                 "| config | iter ms | step ms | exposed comm ms | peak GiB/rank | state GiB/rank |",
-                 "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-        for r in rows:
-            iter_ms = "n/a" if r["iter_ms"] != r["iter_ms"] else f"{r['iter_ms']:.2f}"  # NaN: the step alone
-            lines.append(f"| {r['config']} | {iter_ms} | {r['step_ms']:.2f} | {r['exposed_comm_ms']:.2f} | "
-                         f"{r['peak_gib']:.2f} | {r['state_gib']:.3f} |")  # fmt: skip
-        command = f"{launcher.format(world=world)} benchmarks/bench_dist.py {' '.join(argv or sys.argv[1:])}"
-        lines += ["", f"Command: {command.strip()}"]
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"bench_dist_w{world}.md").write_text("\n".join(lines) + "\n")
-        with (args.out / f"bench_dist_w{world}.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print("\n".join(lines))
+        print((args.out / f"bench_dist_w{world}.md").read_text())
     with contextlib.suppress(Exception):
         dist.barrier()
     dist.destroy_process_group()

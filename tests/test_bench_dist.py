@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import run_ranks
 
 from benchmarks.bench_dist import shard_params
 from benchmarks.convergence.model import ModelConfig, TinyLlama
@@ -35,3 +36,29 @@ def test_muon_ranks_own_each_hidden_matrix_once_round_robin_by_shape(world):
             assert owned[j % world][name].shape == p.shape
         else:
             assert sum(o[name].shape[0] for o in owned) == p.shape[0], name
+
+
+def every_config_steps(rank: int, world: int) -> None:
+    """Each configuration of the benchmark built at ``world`` Gloo ranks on CPU and stepped twice."""
+    from benchmarks.bench_dist import CONFIGS, build
+
+    device = torch.device("cpu")
+    gen = torch.Generator().manual_seed(rank)
+    for config in CONFIGS:
+        module, opt = build(config, CONFIG, device, world, rank)
+        for _ in range(2):
+            if module is not None:
+                x = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=gen)
+                logits = module(x[:, :-1]).float()
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+            opt.step()
+            if module is not None:
+                opt.zero_grad(set_to_none=True)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        assert all(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all() for p in params), config
+
+
+def test_every_configuration_builds_and_steps_at_two_ranks():
+    """The benchmark's configurations (FSDP2, ZeRO-2, DDP, one GPU, shard) on 2 Gloo ranks: what a
+    multi-GPU run would take, caught on CPU first."""
+    run_ranks(2, every_config_steps)

@@ -250,3 +250,23 @@ def test_an_lr_scheduler_drives_it_as_it_drives_our_adamw():
         for s in scheds:
             s.step()
     assert torch.equal(a, b) and opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 / 8
+
+
+def test_an_empty_shard_counts_its_step_and_column_means_with_no_host_read(monkeypatch):
+    """FSDP2's tail rank may hold no rows of a matrix: its step advances the count and the replicated
+    column means as every rank's does, and reads nothing on the host (no sync of a CUDA step)."""
+    from kernel_factory.optimizers.turbo_adam.reference import Layout, init_state, turbo_adam_step
+
+    p = torch.empty(0, 40)
+    state = init_state(p, Layout(True, codecs.FACTORED, 32))
+    col_mean = torch.rand(40)
+
+    def no_host_read(self):
+        raise AssertionError("the empty shard's step read a tensor on the host")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_host_read)
+    amax = turbo_adam_step(p, torch.empty(0, 40), state, Layout(True, codecs.FACTORED, 32), lr=1e-2, beta1=0.9,
+                           beta2=0.99, eps=1e-8, weight_decay=0.1, seed=3, col_sq_mean=col_mean)  # fmt: skip
+    monkeypatch.undo()
+    assert float(state["step"]) == 1 and float(amax) == 0
+    torch.testing.assert_close(state["exp_avg_sq_col"], col_mean * (1 - 0.99), rtol=1e-6, atol=0)

@@ -169,7 +169,13 @@ class GatheredMuonBatch:
 
 class ShardedMuonGroupPlan:
     """The sharded batches of one Muon group's DTensor params with grads; on CUDA the owners' NS
-    iterations of all batches of a device run together, as one process's do (``plan.JointNS``)."""
+    iterations of all batches of a device run together, as one process's do (``plan.JointNS``).
+
+    ``owner_scheme = False`` (on the class) puts row-split batches on the gathered scheme too:
+    every rank gathers and orthogonalizes every matrix (the same bits; benchmarks/bench_dist.py's
+    baseline for the owner scheme's traffic and NS work)."""
+
+    owner_scheme = True
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
         self.key = key
@@ -178,7 +184,7 @@ class ShardedMuonGroupPlan:
             if p.is_complex():  # torch.optim.Muon's error
                 raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(p.shape)})")
             init_momentum_buffer(p, state[p])
-            rows = row_shard_group(p)
+            rows = row_shard_group(p) if self.owner_scheme else None
             layout = ("rows", id(rows[0])) if rows else ("gathered", id(p.device_mesh), tuple(p.placements))
             batches.setdefault((tuple(p.shape), p.dtype, local(p).device, layout), []).append(p)
         self.batches = [(ShardedMuonBatch if key[3][0] == "rows" else GatheredMuonBatch)(

@@ -83,10 +83,14 @@ def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: L
     indices (the random bits follow the element, not the rank) and ``col_sq_mean`` (cols,) the mean
     of g² over all ranks' rows (the factored codec's column statistic). Returns the largest
     |lr m̂ / (sqrt(v̂) + eps)| of the step (0-d fp32; weight decay left out)."""
+    state["step"] += 1
+    if not p.numel():  # an empty shard (FSDP2's tail rank): the step count and the replicated column
+        if col_sq_mean is not None:  # means advance as on every rank, with no host read of the step
+            state["exp_avg_sq_col"].mul_(beta2).add_(col_sq_mean, alpha=1 - beta2)
+        return torch.zeros((), dtype=torch.float32, device=p.device)
     x = matrix_view(p)
     g = matrix_view(grad).float()
     rows, cols = x.shape
-    state["step"] += 1
     step = int(state["step"].item())
     m, v = decoded_moments(state, (rows, cols), layout)
     m.lerp_(g, 1 - beta1)
