@@ -121,6 +121,15 @@ def shard_params(model: torch.nn.Module, name: str, world: int, rank: int) -> li
     return out
 
 
+def whole_head_names(named: list[tuple[str, torch.Tensor]], c: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with each Q or K shard that cuts a head (rows not a multiple of head_dim) named as V,
+    whose AdamMini blocks are rows: one process has no partial heads (FSDP2's AdamMini sums a cut
+    head's squares across ranks), and per-row blocks move the same bytes. Other names unchanged."""
+    head_dim = c.dim // c.n_heads
+    cut = lambda n, t: t.shape[0] % head_dim and any(k in n for k in ("q_proj", "k_proj"))  # noqa: E731
+    return [(n.replace("q_proj", "v_proj").replace("k_proj", "v_proj") if cut(n, t) else n, t) for n, t in named]
+
+
 def build(config: str, model_config: ModelConfig, device: torch.device, world: int, rank: int = 0):
     """(module to call, optimizer) for ``config``, with bf16 parameters and fp32 optimizer math; for
     ``shard+...`` the module is None and the optimizer's params hold their gradients."""
@@ -135,7 +144,8 @@ def build(config: str, model_config: ModelConfig, device: torch.device, world: i
     if wrap == "1gpu":
         return model, our_optimizer(name, list(model.named_parameters()), model_config)
     if wrap == "shard":
-        return None, our_optimizer(name, shard_params(model, name, world, rank), model_config)
+        return None, our_optimizer(name, whole_head_names(shard_params(model, name, world, rank), model_config),
+                                   model_config)  # fmt: skip
     if wrap == "fsdp2":
         mesh = init_device_mesh(device.type, (world,))
         for layer in model.layers:

@@ -38,6 +38,10 @@ def test_muon_ranks_own_each_hidden_matrix_once_round_robin_by_shape(world):
             assert sum(o[name].shape[0] for o in owned) == p.shape[0], name
 
 
+# K and V hold 3 heads of 16 rows: 2 ranks split a head (as the 134M model's 3 KV heads of 64 rows)
+SPLIT_HEADS = ModelConfig(vocab_size=64, dim=96, n_layers=2, n_heads=6, n_kv_heads=3, ffn_dim=128, max_seq_len=16)
+
+
 def every_config_steps(rank: int, world: int) -> None:
     """Each configuration of the benchmark built at ``world`` Gloo ranks on CPU and stepped twice."""
     from benchmarks.bench_dist import CONFIGS, build
@@ -45,10 +49,10 @@ def every_config_steps(rank: int, world: int) -> None:
     device = torch.device("cpu")
     gen = torch.Generator().manual_seed(rank)
     for config in CONFIGS:
-        module, opt = build(config, CONFIG, device, world, rank)
+        module, opt = build(config, SPLIT_HEADS, device, world, rank)
         for _ in range(2):
             if module is not None:
-                x = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=gen)
+                x = torch.randint(0, SPLIT_HEADS.vocab_size, (2, 9), generator=gen)
                 logits = module(x[:, :-1]).float()
                 torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
             opt.step()
