@@ -2,7 +2,8 @@
 and peak memory, for FSDP2 + each of our optimizers (AdamW, AdamMini with FP8 momentum, Muon,
 TurboAdam, Adafactor), FSDP2 + torch's fused AdamW, FSDP2 + torch.optim.Muon (DTensor ops),
 FSDP2 + our Muon with every rank gathering and orthogonalizing every matrix (``muon_gather``, the
-baseline of the owner scheme), our ZeRO-2 DistributedAdamW and DDP + torch's fused AdamW, on a
+baseline of the owner scheme), our ZeRO-2 DistributedAdamW (``zero2_overlap``: its parameters'
+all-gathers left to the next forward, ``gather_in_forward``) and DDP + torch's fused AdamW, on a
 Llama-shaped model (benchmarks/convergence/model.py); each of our optimizers on
 the unwrapped model (``1gpu+...``: the whole model on every rank, no communication); and, for the
 per-rank step against one GPU, each of our optimizers stepping plain tensors shaped as this rank's
@@ -46,7 +47,7 @@ from kernel_factory.optimizers.muon.optimizer import uses_muon  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_dist"
 OURS = ("ours", "adam_mini", "muon", "turbo_adam", "adafactor")  # "ours": our AdamW
 CONFIGS = (*(f"fsdp2+{o}" for o in OURS), "fsdp2+torch_fused", "fsdp2+torch_muon", "fsdp2+muon_gather",
-           "zero2_ours", "ddp+torch_fused",
+           "zero2_ours", "zero2_overlap", "ddp+torch_fused",
            *(f"1gpu+{o}" for o in OURS), *(f"shard+{o}" for o in OURS))  # fmt: skip
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -160,6 +161,8 @@ def build(config: str, model_config: ModelConfig, device: torch.device, world: i
         return model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
     if config == "zero2_ours":
         return model, DistributedAdamW(model.parameters(), **HYPER)
+    if config == "zero2_overlap":  # the parameters' all-gathers finished by the next forward, layer by layer
+        return model, DistributedAdamW(model.parameters(), gather_in_forward=[*model.layers, model], **HYPER)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return ddp, torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
 

@@ -14,7 +14,7 @@ from fsdp_probe import Probe, shard_of, targets
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from zero_probe import HYPER, zero_clips_like_one_process, zero_equal_to_one_process
+from zero_probe import HYPER, zero_clips_like_one_process, zero_equal_to_one_process, zero_gathers_in_forward
 
 from kernel_factory.optimizers import AdamW, DistributedAdamW
 
@@ -31,6 +31,10 @@ def test_gradients_accumulated_under_no_sync_are_reduced_once_and_stepped_bitwis
 
 def test_distributed_adamw_clips_the_reduced_gradients_like_one_process():
     run_ranks(2, zero_clips_like_one_process)
+
+
+def test_parameter_gathers_left_to_the_next_forward_give_the_same_steps():
+    run_ranks(2, zero_gathers_in_forward)
 
 
 def _train(model, opt, steps, rank, world, first=0):
@@ -138,6 +142,8 @@ def _refusals(rank: int, world: int) -> None:
     with opt.no_sync():
         with pytest.raises(RuntimeError, match="inside no_sync"):
             opt.step()
+    with pytest.raises(TypeError, match=r"gather_in_forward\[1\] must be a torch.nn.Module, got Parameter"):
+        DistributedAdamW(model.parameters(), gather_in_forward=[model, model.params[0]])
 
 
 def test_distributed_adamw_refuses_ddp_0d_and_sharded_parameters():

@@ -75,3 +75,34 @@ def zero_clips_like_one_process(rank: int, world: int) -> None:
         torch.testing.assert_close(total, expected, rtol=rtol, atol=0)
     for p, q in zip(model.params, ref.params, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+
+
+def zero_gathers_in_forward(rank: int, world: int) -> None:
+    """``gather_in_forward``: 3 steps bitwise those of the all-gathers finished in ``step()``; between
+    a step and the next forward the gathers are in flight, a layer's forward finishes its own
+    buckets', and the model's ``state_dict()`` finishes the rest."""
+
+    def stack() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+
+    eager, deferred = stack(), stack()
+    opts = (DistributedAdamW(eager.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER),
+            DistributedAdamW(deferred.parameters(), bucket_cap_mb=TINY_BUCKETS, gather_in_forward=[*deferred, deferred],
+                             **HYPER))  # fmt: skip
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        for model, opt in zip((eager, deferred), opts, strict=True):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert not opts[0]._grads.pending and len(opts[1]._grads.pending) == len(opts[1]._grads.buckets)
+    grads = opts[1]._grads
+    first = {id(b) for b in grads.buckets_of(list(deferred[0].parameters()))}
+    deferred[0](x)
+    assert grads.pending and not first & set(grads.pending)
+    state = deferred.state_dict()
+    assert not grads.pending
+    for (name, p), q in zip(eager.state_dict().items(), state.values(), strict=True):
+        assert torch.equal(p, q), name

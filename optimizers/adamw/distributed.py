@@ -32,10 +32,18 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 class DistributedAdamW(AdamW):
     """AdamW with ZeRO-2 sharding over ``process_group`` (default: the world), for plain models.
 
-    Args: as :class:`AdamW`, plus ``process_group`` and ``bucket_cap_mb`` (the most gradient bytes
-    reduce-scattered together, 25 like DDP's default). Build it after the model is on its device
-    and identical on every rank; parameters must have ndim >= 1 and not be DTensors (a sharded model
-    takes :class:`AdamW` itself). Needs ``torch.distributed`` initialized (e.g. by ``torchrun``).
+    Args: as :class:`AdamW`, plus ``process_group``, ``bucket_cap_mb`` (the most gradient bytes
+    reduce-scattered together, 25 like DDP's default) and ``gather_in_forward``: modules listed as
+    FSDP2's units would be (e.g. each decoder layer, then the model). Given, ``step()`` leaves the
+    updated parameters' all-gathers in flight, and each listed module's next forward first waits
+    for those of the parameters it holds (less those of a module listed before it), so the
+    gathers overlap the forward's compute. A parameter is current once the forward of the module
+    that holds it has begun, after ``wait_params()``, or in a listed module's ``state_dict()``
+    (as FSDP2's, a parameter read outside its module's forward before then is last step's).
+
+    Build it after the model is on its device and identical on every rank; parameters must have
+    ndim >= 1 and not be DTensors (a sharded model takes :class:`AdamW` itself). Needs
+    ``torch.distributed`` initialized (e.g. by ``torchrun``).
 
     Use: ``loss.backward(); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()``; wrap the backward passes that only
     accumulate in ``with opt.no_sync():``. Every rank must produce gradients for the same
@@ -57,6 +65,7 @@ class DistributedAdamW(AdamW):
         *args,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
+        gather_in_forward: Iterable[torch.nn.Module] | None = None,
         **kwargs,
     ) -> None:
         """``args`` and ``kwargs``: :class:`AdamW`'s (lr, betas, eps, weight_decay, amsgrad, ...)."""
@@ -76,6 +85,26 @@ class DistributedAdamW(AdamW):
         self._grads = ZeroGrads(trained, {id(p): self._shards[id(p)][0] for p in trained}, self.process_group,
                                 int(bucket_cap_mb * 2**20) // element)  # fmt: skip
         self._ddp_checked = False
+        self._module_hooks = self._hook_units(list(gather_in_forward or []))
+
+    def _hook_units(self, modules: list[torch.nn.Module]) -> list:
+        """Forward pre-hooks that finish the all-gathers of each module's parameters (those no module
+        before it in ``modules`` holds), and state_dict pre-hooks that finish them all."""
+        claimed: set[int] = set()
+        hooks = []
+        for i, module in enumerate(modules):
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"gather_in_forward[{i}] must be a torch.nn.Module, got {type(module).__name__}")
+            mine = [p for p in module.parameters() if id(p) not in claimed]
+            claimed.update(map(id, mine))
+            buckets = self._grads.buckets_of(mine)
+            hooks.append(module.register_forward_pre_hook(lambda *_, b=buckets: self._grads.wait_params(b)))
+            hooks.append(module.register_state_dict_pre_hook(lambda *_: self._grads.wait_params()))
+        return hooks
+
+    def wait_params(self) -> None:
+        """Finish the parameters' all-gathers that ``step()`` left in flight (``gather_in_forward``)."""
+        self._grads.wait_params()
 
     def _prebuild_plans(self) -> None:
         """None at construction: the plans step this rank's shard params, which the first step makes
@@ -178,6 +207,7 @@ class DistributedAdamW(AdamW):
         if not self._ddp_checked:  # DDP may wrap the model after the optimizer was built
             refuse_ddp([p for g in self.param_groups for p in g["params"]], "DistributedAdamW")
             self._ddp_checked = True
+        self._grads.wait_params()  # the last step's gathers, where no forward came between
         buckets = self._reduced_grads()
         got = {i for b in buckets for i in b.got}
         states = self._shard_states()
@@ -188,6 +218,6 @@ class DistributedAdamW(AdamW):
                     plan = group_plan(self._plans, index, params, states, group, self.backend)
                     plan.run(group, None, None)
                     telemetry.watch("amax_update", plan.update_amax)
-        self._grads.all_gather_params(buckets)
+        self._grads.all_gather_params(buckets, defer=bool(self._module_hooks))
         self._grads.done()
         return loss

@@ -105,6 +105,7 @@ class ZeroGrads:
             self.buckets.append(GradBucket(current, [shards[id(q)] for q in current]))
         self._bucket_of = {id(p): (b, s) for b in self.buckets for p, s in zip(b.params, b.shards, strict=True)}
         self._next = 0  # the next bucket to launch this round: launches go in index order on every rank
+        self.pending: dict[int, tuple] = {}  # id(bucket) -> (bucket, work, out, send): deferred all-gathers
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _on_grad(self, p: Tensor) -> None:
@@ -144,23 +145,37 @@ class ZeroGrads:
             bucket.rounds, bucket.send, bucket.ready, bucket.got = [], None, set(), set()
         self._next = 0
 
-    def all_gather_params(self, buckets: list[GradBucket]) -> None:
+    def all_gather_params(self, buckets: list[GradBucket], defer: bool = False) -> None:
         """Every rank's updated rows of the parameters of ``buckets`` into the full parameters: one
-        all-gather per bucket, all launched before the first wait; packing and unpacking are one
-        foreach copy per bucket."""
-        launched = []
-        for b in buckets:
+        all-gather per bucket, all launched before the first wait, the first layers' (the last
+        buckets) first; packing and unpacking are one foreach copy per bucket. ``defer``: leave
+        them in flight for ``wait_params`` (the next forward's hooks)."""
+        self.wait_params()  # none may be pending under new ones: the same rows would be written twice
+        for b in reversed(buckets):
             send = torch.empty(b.piece_numel, dtype=b.params[0].dtype, device=b.params[0].device)
             mine = [s.local_rows(p.detach()).reshape(-1) for p, s in zip(b.params, b.shards, strict=True)]
             torch._foreach_copy_([s.piece(send) for s in b.shards], mine)
             out = torch.empty(b.world * b.piece_numel, dtype=send.dtype, device=send.device)
-            launched.append((b, all_gather(out, send, self.group), out, send))
-        for b, work, out, _ in launched:
+            self.pending[id(b)] = (b, all_gather(out, send, self.group), out, send)
+        if not defer:
+            self.wait_params()
+
+    def wait_params(self, buckets: list[GradBucket] | None = None) -> None:
+        """Finish the pending all-gathers of ``buckets`` (default: all), in launch order: wait, then
+        unpack the rows into the parameters (on the current stream: nothing after reads them early)."""
+        ids = list(self.pending) if buckets is None else [i for i in self.pending if i in {id(b) for b in buckets}]
+        for i in ids:
+            b, work, out, _ = self.pending.pop(i)
             work.wait()
             segments = out.view(b.world, b.piece_numel)
             pairs = [pair for p, s in zip(b.params, b.shards, strict=True)
                      for pair in s.gather_pairs(segments, p.detach())]  # fmt: skip
             torch._foreach_copy_([d for d, _ in pairs], [src for _, src in pairs])
+
+    def buckets_of(self, params: list[Tensor]) -> list[GradBucket]:
+        """The buckets that hold any of ``params`` (those these buckets know)."""
+        found = {id(self._bucket_of[id(p)][0]): self._bucket_of[id(p)][0] for p in params if id(p) in self._bucket_of}
+        return list(found.values())
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
