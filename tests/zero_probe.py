@@ -77,14 +77,16 @@ def zero_clips_like_one_process(rank: int, world: int) -> None:
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
 
 
-def zero_gathers_in_forward(rank: int, world: int) -> None:
+def zero_gathers_in_forward(rank: int, world: int, device: str = "cpu") -> None:
     """``gather_in_forward``: 3 steps bitwise those of the all-gathers finished in ``step()``; between
     a step and the next forward the gathers are in flight, a layer's forward finishes its own
     buckets', and the model's ``state_dict()`` finishes the rest."""
 
+    _device_setup(device)
+
     def stack() -> torch.nn.Sequential:
         torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+        return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4))).to(device)
 
     eager, deferred = stack(), stack()
     opts = (DistributedAdamW(eager.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER),
@@ -92,7 +94,7 @@ def zero_gathers_in_forward(rank: int, world: int) -> None:
                              **HYPER))  # fmt: skip
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
-        x = torch.randn(4, 8, generator=gen)
+        x = torch.randn(4, 8, generator=gen).to(device)
         for model, opt in zip((eager, deferred), opts, strict=True):
             model(x).square().mean().backward()
             opt.step()
