@@ -54,4 +54,8 @@ def use_gpu() -> None:
 def run_ranks(world: int, fn, *args, backend: str = "gloo") -> None:
     """``fn(rank, world, *args)`` on ``world`` ranks (Gloo; ``backend="nccl"`` for one rank per GPU,
     or one rank on the one GPU); raises if any rank failed."""
-    mp.spawn(_rank_main, args=(world, _free_port(), fn, args, backend), nprocs=world, join=True)
+    # Without a GPU, ranks fork (no re-import of torch and the package: seconds per call); a CUDA
+    # parent cannot fork children that use CUDA, so there they spawn.
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    mp.start_processes(_rank_main, args=(world, _free_port(), fn, args, backend), nprocs=world, join=True,
+                       start_method=method)  # fmt: skip
