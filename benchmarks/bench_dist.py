@@ -92,12 +92,12 @@ class TorchMuon(torch.optim.Optimizer):
             torch.optim.AdamW([p for n, p in named if not uses_muon(n, p)], fused=True, **HYPER),
         ]
         super().__init__([p for _, p in named], {})
-        self.state = {p: s for part in self.parts for p, s in part.state.items()}
 
     def step(self, closure=None):
         for part in self.parts:
             part.step()
-        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+        if not self.state:  # the parts make their states at their first step; the same dicts after
+            self.state = {p: s for part in self.parts for p, s in part.state.items()}
 
 
 def shard_params(model: torch.nn.Module, name: str, world: int, rank: int) -> list[tuple[str, torch.Tensor]]:

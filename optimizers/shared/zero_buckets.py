@@ -163,8 +163,8 @@ class ZeroGrads:
     def wait_params(self, buckets: list[GradBucket] | None = None) -> None:
         """Finish the pending all-gathers of ``buckets`` (default: all), in launch order: wait, then
         unpack the rows into the parameters (on the current stream: nothing after reads them early)."""
-        ids = list(self.pending) if buckets is None else [i for i in self.pending if i in {id(b) for b in buckets}]
-        for i in ids:
+        wanted = None if buckets is None else {id(b) for b in buckets}
+        for i in [i for i in self.pending if wanted is None or i in wanted]:
             b, work, out, _ = self.pending.pop(i)
             work.wait()
             segments = out.view(b.world, b.piece_numel)
