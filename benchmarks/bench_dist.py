@@ -17,7 +17,8 @@ Per configuration: ``iter_ms`` (forward + backward + step, median of the timed i
 for ``shard+``),
 ``step_ms`` (``opt.step()`` alone, with its all-gather for ZeRO-2), ``exposed_comm_ms`` (time the
 GPU spent in communication kernels while no compute kernel ran, from the profiler's kernel
-intervals of one iteration), ``peak_gib`` (``max_memory_allocated`` over the timed iterations) and
+intervals of an iteration, the ranks lined up by a barrier first; median of ``--profiled``),
+``peak_gib`` (``max_memory_allocated`` over the timed iterations) and
 ``state_gib`` (this rank's optimizer state). At one rank the collectives are copies: the figures
 show the layer's overhead, not its scaling; the multi-GPU figures need several GPUs.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import os
 import socket
 import statistics
@@ -245,13 +247,25 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
         iters.append(start.elapsed_time(end))
         steps.append(mid.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated(device) / 2**30
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        iteration()
-        torch.cuda.synchronize()
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
     return dict(config=config, world=world, iter_ms=statistics.median(iters), step_ms=statistics.median(steps),
-                exposed_comm_ms=exposed_ms(kernels), peak_gib=peak, state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
+                exposed_comm_ms=profiled_exposed_ms(iteration, args.profiled), peak_gib=peak,
+                state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
+
+
+def profiled_exposed_ms(iteration, count: int) -> float:
+    """Median over ``count`` profiled iterations of ``exposed_ms``, the ranks lined up first (a
+    collective launched while a peer is still starting its profiler would count the wait)."""
+    exposed = []
+    for _ in range(count):
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            iteration()
+            torch.cuda.synchronize()
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+        exposed.append(exposed_ms(kernels))
+    return statistics.median(exposed)
 
 
 def write_tables(
@@ -292,6 +306,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profiled", type=int, default=3, help="profiled iterations for exposed_comm_ms (median)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -307,7 +322,10 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001 - reported in the table; the other configurations still run
             traceback.print_exc()
             failed.append(f"{config}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        torch.cuda.empty_cache()  # the next configuration's peak starts from its own model
+        # the next configuration starts from its own model: the last one's (held in reference
+        # cycles by hooks) freed, not left to slow the allocator and raise the peaks after it
+        gc.collect()
+        torch.cuda.empty_cache()
         if rank == 0:  # after each configuration: a run cut short keeps what it measured
             command = f"{launcher.format(world=world)} benchmarks/bench_dist.py {' '.join(argv or sys.argv[1:])}"
             write_tables(args, model_config, world, device, rows, failed, command.strip())

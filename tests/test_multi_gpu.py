@@ -24,7 +24,7 @@ from fsdp_probe import (
     steps_without_host_sync,
     turbo_adam_equal_to_one_process,
 )
-from zero_probe import zero_equal_to_one_process, zero_gathers_in_forward
+from zero_probe import zero_equal_to_one_process, zero_gathers_in_forward, zero_gathers_in_the_forward_order
 
 from kernel_factory.optimizers.parity.bounds import muon_tol
 
@@ -54,6 +54,11 @@ def test_distributed_adamw_is_bitwise_the_one_process_step(world, micro):
 @pytest.mark.parametrize("world", WORLDS)
 def test_distributed_adamw_gathers_left_to_the_next_forward_give_the_same_steps(world):
     nccl(world, zero_gathers_in_forward, "cuda")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_distributed_adamw_gathers_go_out_in_the_order_the_forward_asks_for_them(world):
+    nccl(world, zero_gathers_in_the_forward_order, "cuda")
 
 
 @pytest.mark.parametrize("world", WORLDS)

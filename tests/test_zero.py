@@ -14,7 +14,13 @@ from fsdp_probe import Probe, shard_of, targets
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from zero_probe import HYPER, zero_clips_like_one_process, zero_equal_to_one_process, zero_gathers_in_forward
+from zero_probe import (
+    HYPER,
+    zero_clips_like_one_process,
+    zero_equal_to_one_process,
+    zero_gathers_in_forward,
+    zero_gathers_in_the_forward_order,
+)
 
 from kernel_factory.optimizers import AdamW, DistributedAdamW
 
@@ -35,6 +41,10 @@ def test_distributed_adamw_clips_the_reduced_gradients_like_one_process():
 
 def test_parameter_gathers_left_to_the_next_forward_give_the_same_steps():
     run_ranks(2, zero_gathers_in_forward)
+
+
+def test_parameter_gathers_go_out_in_the_order_the_forward_asks_for_them():
+    run_ranks(2, zero_gathers_in_the_forward_order)
 
 
 def _train(model, opt, steps, rank, world, first=0):

@@ -108,3 +108,43 @@ def zero_gathers_in_forward(rank: int, world: int, device: str = "cpu") -> None:
     assert not grads.pending
     for (name, p), q in zip(eager.state_dict().items(), state.values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def zero_gathers_in_the_forward_order(rank: int, world: int, device: str = "cpu") -> None:
+    """``gather_in_forward`` with a model whose own hook fires first and holds its last parameters
+    (an output head, as a language model's): after the first forward the all-gathers go out in
+    the order the hooks ask for them, the head's first, not last as parameter order would send
+    it; the steps stay those of the eager gathers."""
+
+    _device_setup(device)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+            self.head = torch.nn.Linear(8, 8)  # declared last, listed with the model itself
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    eager, deferred = Net().to(device), Net().to(device)
+    opts = (DistributedAdamW(eager.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER),
+            DistributedAdamW(deferred.parameters(), bucket_cap_mb=TINY_BUCKETS,
+                             gather_in_forward=[*deferred.body, deferred], **HYPER))  # fmt: skip
+    grads = opts[1]._grads
+    units = [deferred.head, *deferred.body]  # the order the hooks ask: the model's (its head) first
+    expected = [id(b) for u in units for b in sorted(grads.buckets_of(list(u.parameters())),
+                                                     key=lambda b: -grads.buckets.index(b))]  # fmt: skip
+    assert expected != [id(b) for b in reversed(grads.buckets)]  # parameter order would differ
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen).to(device)
+        for model, opt in zip((eager, deferred), opts, strict=True):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert list(grads.pending) == expected
+    opts[1].wait_params()
+    for p, q in zip(eager.parameters(), deferred.parameters(), strict=True):
+        assert torch.equal(p, q)

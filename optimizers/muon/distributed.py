@@ -65,16 +65,27 @@ class ShardedMuonBatch:
         # matrix j's rows here: piece [owner j mod W, slot j // W] of what goes out and comes back
         self._sent = [self._send[j % W, j // W, :here] for j in range(len(params))]
         self._mine = [self._back[j % W, j // W, :here].view_as(p) for j, p in enumerate(self.local_params)]
-        self._padded = torch.zeros((len(self.owned), W * P, C), **bf16)
         m, n = sorted((self.rows, C))
         self.x = torch.empty((len(self.owned), m, n), **bf16)
         self.norm = torch.empty(len(self.owned), dtype=torch.float32, device=self.device)
+        # The owner's matrices as rows: x itself where it holds them so (not tall), else a buffer
+        # that x is the transpose of. Rank s's rows of owned matrix k are rows [s P, s P + P) of
+        # it: copied to and from piece [s, k] of the exchanged buffers as contiguous blocks, in one
+        # foreach launch (a permuted copy of the whole buffer runs strided, at a fraction of the
+        # copy rate).
+        self._rows = torch.empty((len(self.owned), self.rows, C), **bf16) if self.tall else self.x
+        spans = [(k, s, s * P, min(s * P + P, self.rows)) for k in range(len(self.owned)) for s in range(W)]
+        self._spans = [span for span in spans if span[2] < span[3]]  # (matrix, rank, its rows)
+        self._unpack = ([self._rows[k, a:b] for k, _, a, b in self._spans],
+                        [self._got[s, k, : b - a] for k, s, a, b in self._spans])  # fmt: skip
+        self._pieces = [self._reply[s, k, : b - a] for k, s, a, b in self._spans]
+        self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O's rows, their pieces)
         self._amax = torch.zeros((), device=self.device)
 
     def gather(self, h: MuonHyper) -> None:
         """Steps 1-2: the momentum of this rank's rows, NS's bf16 input sent to the owners; the
         owner's matrices into ``x`` and their norms (as torch's bf16 vector_norm, at least eps)."""
-        W, S, P, C = self.world, self.slots, self.per_rank, self.cols
+        C = self.cols
         grads = checked_grads(self.params)
         torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
         updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
@@ -82,8 +93,10 @@ class ShardedMuonBatch:
             torch._foreach_copy_(self._sent, [u.reshape(u.shape[0], C) for u in updates])
         dist.all_to_all_single(self._got, self._send, group=self.group)
         # 3. the owner's matrices, padding rows dropped: piece s holds rank s's rows
-        full = self._got.permute(1, 0, 2, 3).reshape(S, W * P, C)[: len(self.owned), : self.rows]
-        self.x.copy_(full.mT if self.tall else full)  # laid out as single-process Muon's batch
+        if self._unpack[0]:
+            torch._foreach_copy_(*self._unpack)
+            if self.tall:  # laid out as single-process Muon's batch
+                self.x.copy_(self._rows.mT)
         self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=h.eps_bf16))
 
     def orthogonalize(self, h: MuonHyper) -> Tensor:
@@ -93,11 +106,14 @@ class ShardedMuonBatch:
     def scatter(self, h: MuonHyper, ortho: Tensor) -> None:
         """Step 4: each rank's rows of O (the owner's ``ortho``, (owned, m, n)) back to it; weight
         decay and the update on this rank's rows."""
-        W, P, C = self.world, self.per_rank, self.cols
-        owned = len(self.owned)
-        if owned:
-            self._padded[:, : self.rows] = ortho.mT if self.tall else ortho
-            self._reply[:, :owned] = self._padded.view(owned, W, P, C).permute(1, 0, 2, 3)
+        if self._pieces:
+            rows = ortho
+            if self.tall:
+                rows = self._rows
+                rows.copy_(ortho.mT)
+            if self._pack_from[0] != rows.data_ptr():  # a CUDA graph's output stays put: views kept
+                self._pack_from = (rows.data_ptr(), [rows[k, a:b] for k, _, a, b in self._spans])
+            torch._foreach_copy_(self._pieces, self._pack_from[1])
         dist.all_to_all_single(self._back, self._reply, group=self.group)
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
         torch._foreach_mul_(self.local_params, 1 - h.lr * h.weight_decay)

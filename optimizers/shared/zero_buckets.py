@@ -104,8 +104,10 @@ class ZeroGrads:
         if current:
             self.buckets.append(GradBucket(current, [shards[id(q)] for q in current]))
         self._bucket_of = {id(p): (b, s) for b in self.buckets for p, s in zip(b.params, b.shards, strict=True)}
+        self._index = {id(b): i for i, b in enumerate(self.buckets)}
         self._next = 0  # the next bucket to launch this round: launches go in index order on every rank
         self.pending: dict[int, tuple] = {}  # id(bucket) -> (bucket, work, out, send): deferred all-gathers
+        self._asked: dict[int, None] = {}  # ids of buckets forward hooks asked for since the last round, in order
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _on_grad(self, p: Tensor) -> None:
@@ -147,11 +149,17 @@ class ZeroGrads:
 
     def all_gather_params(self, buckets: list[GradBucket], defer: bool = False) -> None:
         """Every rank's updated rows of the parameters of ``buckets`` into the full parameters: one
-        all-gather per bucket, all launched before the first wait, the first layers' (the last
-        buckets) first; packing and unpacking are one foreach copy per bucket. ``defer``: leave
-        them in flight for ``wait_params`` (the next forward's hooks)."""
+        all-gather per bucket, all launched before the first wait, in the order the forward hooks
+        asked for them last time (``wait_params``), else the first layers' (the last buckets)
+        first; packing and unpacking are one foreach copy per bucket. ``defer``: leave them in
+        flight for ``wait_params`` (the next forward's hooks)."""
         self.wait_params()  # none may be pending under new ones: the same rows would be written twice
-        for b in reversed(buckets):
+        # The collectives go out in one order on every rank: the hooks fire in the forward's module
+        # order, the same on every rank. A model's own hook fires before its layers' and may ask
+        # for its last layer's bucket (an output head) at once: parameter order would send that last.
+        asked = {i: n for n, i in enumerate(self._asked)}
+        self._asked = {}
+        for b in sorted(reversed(buckets), key=lambda b: asked.get(id(b), len(asked))):
             send = torch.empty(b.piece_numel, dtype=b.params[0].dtype, device=b.params[0].device)
             mine = [s.local_rows(p.detach()).reshape(-1) for p, s in zip(b.params, b.shards, strict=True)]
             torch._foreach_copy_([s.piece(send) for s in b.shards], mine)
@@ -164,6 +172,8 @@ class ZeroGrads:
         """Finish the pending all-gathers of ``buckets`` (default: all), in launch order: wait, then
         unpack the rows into the parameters (on the current stream: nothing after reads them early)."""
         wanted = None if buckets is None else {id(b) for b in buckets}
+        if buckets is not None:  # a forward hook: the order of first requests orders the next round
+            self._asked.update((id(b), None) for b in sorted(buckets, key=lambda b: -self._index[id(b)]))
         for i in [i for i in self.pending if wanted is None or i in wanted]:
             b, work, out, _ = self.pending.pop(i)
             work.wait()
