@@ -40,6 +40,8 @@ class DistributedAdamW(AdamW):
     gathers overlap the forward's compute. A parameter is current once the forward of the module
     that holds it has begun, after ``wait_params()``, or in a listed module's ``state_dict()``
     (as FSDP2's, a parameter read outside its module's forward before then is last step's).
+    The gathers go out in the order the hooks asked for them in the last forward, so every rank
+    must run the listed modules' forwards in the same order (as it must produce the same grads).
 
     Build it after the model is on its device and identical on every rank; parameters must have
     ndim >= 1 and not be DTensors (a sharded model takes :class:`AdamW` itself). Needs
