@@ -129,6 +129,20 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
 
 
+def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+    """As ``muon_equal_to_one_process`` on the fused kernels (CUDA; the interpreter on CPU) on both
+    sides: each rank's rows of every sharded matrix it holds rows of take the momentum and update
+    kernels (``sharded_rows``); the owner's norm and NS run on another path than one process's, so
+    within ``tol``."""
+    from kernel_factory.optimizers.muon.distributed import ShardedMuonBatch, ShardedMuonGroupPlan
+
+    opt = states_equal_to_one_process(rank, world, SHARDED_MUON, "auto" if device == "cuda" else "triton", tol,
+                                      device)  # fmt: skip
+    batches = [b for plan in opt._plans.values() if isinstance(plan, ShardedMuonGroupPlan) for b in plan.batches
+               if isinstance(b, ShardedMuonBatch)]  # fmt: skip
+    assert batches and all(b.kernels is not None for b in batches if b.local_params[0].numel())
+
+
 def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
                                     backend: str = "auto") -> None:  # fmt: skip
     """4 TurboAdam steps at ``world`` ranks against one process, matrices only (a sharded vector keeps

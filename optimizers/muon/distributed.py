@@ -6,14 +6,14 @@ their rows are split on; replicated mesh dims, as in HSDP, hold copies and excha
 themselves). Per step:
 
 1. each rank updates the momentum of its rows (elementwise, the buffer a DTensor like the param)
-   and rounds NS's input to bf16, as single-process Muon does before NS;
-2. an all-to-all sends every matrix's rows to its owner (matrix j belongs to rank j mod W),
-   padded to ``ceil(R / W)`` rows per rank; the owner drops the padding rows, so NS sees exactly
-   the single-process matrix (padding could flip the tall/wide choice);
+   and rounds NS's input to bf16, as single-process Muon does before NS: on the Triton kernels of
+   one process (``sharded_rows.py``) where those run, written straight into the send buffer;
+2. an all-to-all sends every matrix's rows to its owner (matrix j belongs to rank j mod W), each
+   rank's rows as they are (no padding: the owner's matrix is exactly the single-process one);
 3. the owner runs NS once on its matrices (normalization and iterations as single-process Muon;
    on CUDA the batches of a device together, through the CUDA graph one process replays);
 4. a second all-to-all returns each rank's rows of O, and each rank applies weight decay and the
-   update to its rows.
+   update to its rows (the kernels again where they run).
 
 Every matrix is orthogonalized once per step on its fully reduced gradient, by the same arithmetic
 as in one process, so the result does not depend on the world size; the traffic is about twice
@@ -33,19 +33,31 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kernel_factory.generator import backend_mode
+
+from ..shared.buckets import kernel_path
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local, local_part, row_shard_group
 from .newton_schulz import iterate, ns_on_triton
 from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer
+from .sharded_rows import LocalRowsKernels
 
 
 class ShardedMuonBatch:
     """Same-shape DTensor matrices of one group, dtype and shard group (module docstring). Buffers
     are kept between steps: the all-to-alls' send and receive buffers, and NS's input ``x`` (the
     owner's matrices, (owned, m, n) bf16, m <= n, tall ones transposed) and ``norm`` (owned,) fp32,
-    which a CUDA graph of the device's NS iterations reads in place (``plan.JointNS``)."""
+    which a CUDA graph of the device's NS iterations reads in place (``plan.JointNS``).
 
-    def __init__(self, params: list[DTensor], bufs: list[DTensor]) -> None:
+    Layout: this rank's rows of each matrix are one piece, (here, C), or (C, here) for a matrix
+    tall as a whole (the owner's x is its transpose: a piece fills a block of x's columns). The
+    send buffer holds the pieces owner by owner (owner r's matrices j = r, r + W, ...), so that
+    each owner's part is contiguous and the all-to-all moves no padding; the owner receives
+    (owned, rows of rank s, C) from each rank s, and sends it back the same way. ``mode``: the
+    Triton kernels write and read the pieces (``sharded_rows``) where ``kernel_path`` gives
+    ``cuda`` or ``interpreter``; else PyTorch's foreach ops."""
+
+    def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
         self.params, self.bufs = params, bufs
         self.group, self.world, self.rank = row_shard_group(params[0])
         self.rows = params[0].shape[0]
@@ -53,50 +65,65 @@ class ShardedMuonBatch:
         self.per_rank = -(-self.rows // self.world)
         self.local_params = [local(p) for p in params]
         self.local_bufs = [local(b) for b in bufs]
-        self.slots = -(-len(params) // self.world)  # matrices each rank owns, at most
         self.owned = list(range(self.rank, len(params), self.world))
         self.device = self.local_params[0].device
         self.dtype = params[0].dtype
         self.tall = self.rows > self.cols
-        W, S, P, C = self.world, self.slots, self.per_rank, self.cols
-        shape, bf16 = (W, S, P, C), dict(dtype=torch.bfloat16, device=self.device)
-        self._send, self._got, self._reply, self._back = (torch.zeros(shape, **bf16) for _ in range(4))
-        here = self.local_params[0].shape[0] if self.local_params[0].dim() else 0  # this rank's rows
-        # matrix j's rows here: piece [owner j mod W, slot j // W] of what goes out and comes back
-        self._sent = [self._send[j % W, j // W, :here] for j in range(len(params))]
-        self._mine = [self._back[j % W, j // W, :here].view_as(p) for j, p in enumerate(self.local_params)]
+        W, P, C = self.world, self.per_rank, self.cols
+        bf16 = dict(dtype=torch.bfloat16, device=self.device)
+        # rows each rank holds (torch.chunk: ceil(R / W), the last non-empty chunk shorter)
+        heres = [max(0, min(P, self.rows - s * P)) for s in range(W)]
+        here, owned = heres[self.rank], len(self.owned)
+        self.order = [j for r in range(W) for j in range(r, len(params), W)]  # pieces, owner by owner
+        piece = (C, here) if self.tall else (here, C)
+        self._send, self._back = (torch.zeros((len(params), *piece), **bf16) for _ in range(2))
+        self._to_owner = [len(range(r, len(params), W)) * here * C for r in range(W)]  # elements to rank r
+        self._from_rank = [owned * heres[s] * C for s in range(W)]  # elements from rank s
+        self._got, self._reply = (torch.zeros(sum(self._from_rank), **bf16) for _ in range(2))  # flat: split by element
+        # rank s's pieces of the owned matrices, and the rows of x (tall: columns) they fill
+        self._spans = [(s, s * P, s * P + heres[s]) for s in range(W) if heres[s]]
+        starts = [sum(self._from_rank[:s]) for s in range(W)]
+
+        def parts(flat: Tensor) -> dict[int, Tensor]:  # rank s's part of a received or sent buffer
+            shape = lambda s: (owned, C, heres[s]) if self.tall else (owned, heres[s], C)  # noqa: E731
+            return {s: flat[starts[s] : starts[s] + self._from_rank[s]].view(shape(s)) for s, _, _ in self._spans}
+
+        self._got_parts, self._reply_parts = parts(self._got), parts(self._reply)
         m, n = sorted((self.rows, C))
-        self.x = torch.empty((len(self.owned), m, n), **bf16)
-        self.norm = torch.empty(len(self.owned), dtype=torch.float32, device=self.device)
-        # The owner's matrices as rows: x itself where it holds them so (not tall), else a buffer
-        # that x is the transpose of. Rank s's rows of owned matrix k are rows [s P, s P + P) of
-        # it: copied to and from piece [s, k] of the exchanged buffers as contiguous blocks, in one
-        # foreach launch (a permuted copy of the whole buffer runs strided, at a fraction of the
-        # copy rate).
-        self._rows = torch.empty((len(self.owned), self.rows, C), **bf16) if self.tall else self.x
-        spans = [(k, s, s * P, min(s * P + P, self.rows)) for k in range(len(self.owned)) for s in range(W)]
-        self._spans = [span for span in spans if span[2] < span[3]]  # (matrix, rank, its rows)
-        self._unpack = ([self._rows[k, a:b] for k, _, a, b in self._spans],
-                        [self._got[s, k, : b - a] for k, s, a, b in self._spans])  # fmt: skip
-        self._pieces = [self._reply[s, k, : b - a] for k, s, a, b in self._spans]
-        self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O's rows, their pieces)
+        self.x = torch.empty((owned, m, n), **bf16)
+        # not tall: each piece is a contiguous block of x's rows, all copied in one foreach launch
+        # (a copy of a strided view runs at a fraction of the copy rate); tall: column blocks
+        pairs = [(self.x[k, a:b], self._got_parts[s][k]) for s, a, b in self._spans for k in range(owned)]
+        self._unpack = ([d for d, _ in pairs], [g for _, g in pairs])
+        self._pieces = [self._reply_parts[s][k] for s, _, _ in self._spans for k in range(owned)]
+        self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O, its pieces' views)
+        self.norm = torch.empty(owned, dtype=torch.float32, device=self.device)
         self._amax = torch.zeros((), device=self.device)
+        self.kernels = None
+        if here and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
+            self.kernels = LocalRowsKernels([params[j] for j in self.order], [self.local_params[j] for j in self.order],
+                                            [self.local_bufs[j] for j in self.order], self.tall, self._send,
+                                            self._back)  # fmt: skip
 
     def gather(self, h: MuonHyper) -> None:
         """Steps 1-2: the momentum of this rank's rows, NS's bf16 input sent to the owners; the
         owner's matrices into ``x`` and their norms (as torch's bf16 vector_norm, at least eps)."""
-        C = self.cols
-        grads = checked_grads(self.params)
-        torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
-        updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
-        if self._sent[0].numel():
-            torch._foreach_copy_(self._sent, [u.reshape(u.shape[0], C) for u in updates])
-        dist.all_to_all_single(self._got, self._send, group=self.group)
-        # 3. the owner's matrices, padding rows dropped: piece s holds rank s's rows
-        if self._unpack[0]:
+        if self.kernels is not None:
+            self.kernels.momentum(h.momentum, h.nesterov)
+        elif self._send.numel():
+            grads = checked_grads(self.params)
+            torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
+            updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
+            rows = [updates[j].reshape(-1, self.cols) for j in self.order]
+            torch._foreach_copy_(list(self._send.unbind(0)), [u.mT if self.tall else u for u in rows])
+        dist.all_to_all_single(self._got, self._send.view(-1), output_split_sizes=self._from_rank,
+                               input_split_sizes=self._to_owner, group=self.group)  # fmt: skip
+        # 3. the owner's matrices: rank s's pieces are rows (tall: columns) [a, b) of each
+        if self.owned and self.tall:
+            for s, a, b in self._spans:
+                self.x[:, :, a:b].copy_(self._got_parts[s])
+        elif self.owned:
             torch._foreach_copy_(*self._unpack)
-            if self.tall:  # laid out as single-process Muon's batch
-                self.x.copy_(self._rows.mT)
         self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=h.eps_bf16))
 
     def orthogonalize(self, h: MuonHyper) -> Tensor:
@@ -106,20 +133,28 @@ class ShardedMuonBatch:
     def scatter(self, h: MuonHyper, ortho: Tensor) -> None:
         """Step 4: each rank's rows of O (the owner's ``ortho``, (owned, m, n)) back to it; weight
         decay and the update on this rank's rows."""
-        if self._pieces:
-            rows = ortho
-            if self.tall:
-                rows = self._rows
-                rows.copy_(ortho.mT)
-            if self._pack_from[0] != rows.data_ptr():  # a CUDA graph's output stays put: views kept
-                self._pack_from = (rows.data_ptr(), [rows[k, a:b] for k, _, a, b in self._spans])
+        if self.owned and self.tall:
+            for s, a, b in self._spans:
+                self._reply_parts[s].copy_(ortho[:, :, a:b])
+        elif self.owned:
+            if self._pack_from[0] != ortho.data_ptr():  # a CUDA graph's output stays put: views kept
+                owned = range(len(self.owned))
+                self._pack_from = (ortho.data_ptr(), [ortho[k, a:b] for _, a, b in self._spans for k in owned])
             torch._foreach_copy_(self._pieces, self._pack_from[1])
-        dist.all_to_all_single(self._back, self._reply, group=self.group)
+        dist.all_to_all_single(self._back.view(-1), self._reply, output_split_sizes=self._to_owner,
+                               input_split_sizes=self._from_rank, group=self.group)  # fmt: skip
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
-        torch._foreach_mul_(self.local_params, 1 - h.lr * h.weight_decay)
-        if self._mine[0].numel():  # p.add_ computes in p's dtype, as single-process Muon after .to(p.dtype)
-            torch._foreach_add_(self.local_params, self._mine, alpha=-step_lr)
-        self._amax = self._back.abs().amax().float() * step_lr  # this rank's rows
+        decay = 1 - h.lr * h.weight_decay
+        if self.kernels is not None:
+            self.kernels.apply(decay, step_lr)
+        else:
+            torch._foreach_mul_(self.local_params, decay)
+            if self._back.numel():  # p.add_ computes in p's dtype, as single-process Muon after .to(p.dtype)
+                mine = [(o.mT if self.tall else o).reshape(self.local_params[j].shape)
+                        for j, o in zip(self.order, self._back.unbind(0), strict=True)]  # fmt: skip
+                torch._foreach_add_([self.local_params[j] for j in self.order], mine, alpha=-step_lr)
+        if self._back.numel():  # this rank's rows
+            self._amax = self._back.abs().amax().float() * step_lr
 
     def update_amax(self) -> Tensor:
         """This rank's rows' largest |adjusted lr · O| of the last step (0-d fp32)."""
@@ -203,8 +238,10 @@ class ShardedMuonGroupPlan:
             rows = row_shard_group(p) if self.owner_scheme else None
             layout = ("rows", id(rows[0])) if rows else ("gathered", id(p.device_mesh), tuple(p.placements))
             batches.setdefault((tuple(p.shape), p.dtype, local(p).device, layout), []).append(p)
-        self.batches = [(ShardedMuonBatch if key[3][0] == "rows" else GatheredMuonBatch)(
-                            ps, [state[p]["momentum_buffer"] for p in ps]) for key, ps in batches.items()]  # fmt: skip
+        mode = backend_mode()
+        self.batches = [ShardedMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps], mode) if key[3][0] == "rows"
+                        else GatheredMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps])
+                        for key, ps in batches.items()]  # fmt: skip
         joint: dict[torch.device, list] = {}
         for b in self.batches:
             if b.owned and ns_on_triton(b.x):

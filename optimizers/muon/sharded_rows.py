@@ -1,0 +1,89 @@
+"""Muon's momentum and update kernels (kernel_templates/muon.py.j2) on one rank's rows of a batch
+of FSDP2-sharded matrices (``distributed.ShardedMuonBatch``).
+
+Each rank holds ``here`` rows of every matrix of the batch, each an (here, C) row-major block of
+its local shard. The momentum kernel reads g and the buffer once, writes the buffer and NS's bf16
+input straight into the rank's piece of the all-to-all's send buffer (B, a, b): (here, C) as it
+is, or (C, here) transposed for a matrix that is tall as a whole (the owner's NS input is its
+transpose, which the pieces then fill column blocks of), tile by tile, as one process writes X.
+The update kernel reads the piece of O that comes back in the same layout and writes p once:
+p = p (1 - lr wd) - adjusted lr * O. One launch each per batch on CUDA (pointer tables), one per
+matrix under the interpreter or where a tensor is not 16-byte aligned. Same arithmetic as one
+process's kernels and as the PyTorch ops they replace (``_foreach_lerp_``, ``_foreach_mul_`` and
+``_foreach_add_`` in the parameter dtype), so the sharded step stays the one-process step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernel_factory.generator import MUON, detect_arch, load, select
+
+from ..shared.buckets import TRITON_DTYPES, aligned, pointer_table
+from ..shared.checks import checked_grads
+from ..shared.grad_table import GradTable
+
+
+class LocalRowsKernels:
+    """The kernels over ``params`` (DTensor matrices of one shape, ``locals`` their (here, C) local
+    rows, ``bufs`` their momentum buffers' local rows; all in the order of the pieces of ``out``
+    and ``back``, (B, a, b) bf16 each: (a, b) = (C, here) when ``transposed`` else (here, C))."""
+
+    def __init__(self, params: list[Tensor], locals_: list[Tensor], bufs: list[Tensor], transposed: bool,
+                 out: Tensor, back: Tensor) -> None:  # fmt: skip
+        self.params, self.locals, self.bufs = params, locals_, bufs
+        self.out, self.back, self.transposed = out, back, transposed
+        self.device, dtype = locals_[0].device, locals_[0].dtype
+        self.m, self.n = out.shape[1:]
+        self.multi_tensor = self.device.type == "cuda" and aligned([*locals_, *bufs])
+        arch = "cpu" if self.device.type == "cpu" else detect_arch(self.device)
+        # the multi-tensor variant's tuned tiles: the per-matrix variant runs the same tile body
+        self.config = dict(select(MUON, arch, MUON.variant(multi_tensor=True, param_dtype=TRITON_DTYPES[dtype]),
+                                  TRITON_DTYPES[dtype], len(locals_) * self.m * self.n))  # fmt: skip
+        self._variant = dict(multi_tensor=self.multi_tensor, param_dtype=TRITON_DTYPES[dtype])
+        blocks = (self.config["BLOCK_R"], self.config["BLOCK_C"])
+        self.tiles = -(-self.m // blocks[0]) * -(-self.n // blocks[1])
+        # the norm's partial sums, which the kernel writes and nobody reads: the owner takes the
+        # norm of the whole matrix
+        self._partial = torch.empty((len(locals_), self.tiles), dtype=torch.float32, device=self.device)
+        if self.multi_tensor:
+            self._p_table, self._buf_table = pointer_table(locals_, self.device), pointer_table(bufs, self.device)
+            self._flags = torch.full((len(locals_),), int(transposed), dtype=torch.int32, device=self.device)
+            self._grads = GradTable(self.device, len(locals_))
+        self._kernels: dict[bool, object] = {}
+
+    def _module(self, nesterov: bool):
+        k = self._kernels.get(nesterov)
+        if k is None:
+            k = self._kernels[nesterov] = load(MUON, MUON.variant(**self._variant, nesterov=nesterov))
+        return k
+
+    def _options(self) -> dict:
+        return dict(BLOCK_R=self.config["BLOCK_R"], BLOCK_C=self.config["BLOCK_C"], num_warps=self.config["num_warps"])
+
+    def momentum(self, mu: float, nesterov: bool) -> None:
+        """buf = lerp(buf, g, 1 - mu) in place; ``out``'s pieces = bf16 of the buffer (Nesterov:
+        of lerp(g, buf, mu)), transposed where ``transposed``."""
+        k, m, n = self._module(nesterov), self.m, self.n
+        if self.multi_tensor:
+            grads = self._grads.update(self.params, lambda: checked_grads(self.params))
+            k.momentum_kernel[(self.tiles, len(self.locals))](grads, self._buf_table, self._flags, self.out,
+                                                             self._partial, m, n, mu, 1 - mu,
+                                                             **self._options())  # fmt: skip
+            return
+        for i, (g, buf) in enumerate(zip(checked_grads(self.params), self.bufs, strict=True)):
+            k.momentum_kernel[(self.tiles,)](g.contiguous(), buf, int(self.transposed), self.out[i], self._partial[i],
+                                             m, n, mu, 1 - mu, **self._options())  # fmt: skip
+
+    def apply(self, decay: float, lr: float) -> None:
+        """p = p * decay - lr * (the piece of ``back``, transposed back where ``transposed``), in
+        the parameter dtype as torch's foreach ops round."""
+        k, m, n = self._module(False), self.m, self.n
+        if self.multi_tensor:
+            k.apply_kernel[(self.tiles, len(self.locals))](self._p_table, self._flags, self.back, m, n, decay, lr,
+                                                          lr, **self._options())  # fmt: skip
+            return
+        for i, p in enumerate(self.locals):
+            k.apply_kernel[(self.tiles,)](p, int(self.transposed), self.back[i], m, n, decay, lr, lr,
+                                          **self._options())  # fmt: skip
