@@ -27,6 +27,7 @@ keeps its own part of O; the same arithmetic again, so the same bits as one proc
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -251,20 +252,28 @@ class ShardedMuonGroupPlan:
     def run(self, group: dict) -> None:
         h = MuonHyper(group)
         for batch in self.batches:
-            batch.gather(h)
+            with _on(batch.device):
+                batch.gather(h)
         orthos = {}
         for ns in self.joint:
-            with torch.cuda.device(ns.batches[0].device):  # Triton launches on the current device
+            with torch.cuda.device(ns.batches[0].device):
                 orthos.update(zip(map(id, ns.batches), ns(h.schedule)[0], strict=True))
         for batch in self.batches:
             ortho = orthos.get(id(batch))
-            batch.scatter(h, batch.orthogonalize(h) if ortho is None else ortho)
+            with _on(batch.device):
+                batch.scatter(h, batch.orthogonalize(h) if ortho is None else ortho)
 
     def update_amax(self) -> Tensor:
         if not self.batches:
             return torch.zeros(())
         device = self.batches[0].device
         return torch.stack([b.update_amax().to(device) for b in self.batches]).max()
+
+
+def _on(device: torch.device):
+    """The context that makes ``device`` current for Triton's launches (which go to the current
+    CUDA device), or none for a CPU device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def sharded_muon_group_plan(plans: dict, index: int, params: list[DTensor], state: dict) -> ShardedMuonGroupPlan:
