@@ -26,9 +26,10 @@ from ..shared.grad_table import GradTable
 
 
 class LocalRowsKernels:
-    """The kernels over ``params`` (DTensor matrices of one shape, ``locals`` their (here, C) local
-    rows, ``bufs`` their momentum buffers' local rows; all in the order of the pieces of ``out``
-    and ``back``, (B, a, b) bf16 each: (a, b) = (C, here) when ``transposed`` else (here, C))."""
+    """The kernels over ``params`` (DTensor matrices of one shape and dtype, fp32, bf16 or fp16;
+    ``locals_`` their (here, C) local rows, ``bufs`` their momentum buffers' local rows, of the
+    params' dtype), all in the order of the pieces of ``out`` and ``back``, (B, a, b) bf16 each:
+    (a, b) = (C, here) when ``transposed``, else (here, C)."""
 
     def __init__(self, params: list[Tensor], locals_: list[Tensor], bufs: list[Tensor], transposed: bool,
                  out: Tensor, back: Tensor) -> None:  # fmt: skip
