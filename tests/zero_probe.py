@@ -77,6 +77,20 @@ def zero_clips_like_one_process(rank: int, world: int) -> None:
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
 
 
+def _steps_side_by_side(models: tuple, opts: tuple, rank: int, device: str, check) -> torch.Tensor:
+    """3 training steps of each (model, optimizer) on the same random batches (4, 8), ``check()``
+    after each; returns the last batch."""
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen).to(device)
+        for model, opt in zip(models, opts, strict=True):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        check()
+    return x
+
+
 def zero_gathers_in_forward(rank: int, world: int, device: str = "cpu") -> None:
     """``gather_in_forward``: 3 steps bitwise those of the all-gathers finished in ``step()``; between
     a step and the next forward the gathers are in flight, a layer's forward finishes its own
@@ -92,14 +106,10 @@ def zero_gathers_in_forward(rank: int, world: int, device: str = "cpu") -> None:
     opts = (DistributedAdamW(eager.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER),
             DistributedAdamW(deferred.parameters(), bucket_cap_mb=TINY_BUCKETS, gather_in_forward=[*deferred, deferred],
                              **HYPER))  # fmt: skip
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        x = torch.randn(4, 8, generator=gen).to(device)
-        for model, opt in zip((eager, deferred), opts, strict=True):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+    def in_flight() -> None:
         assert not opts[0]._grads.pending and len(opts[1]._grads.pending) == len(opts[1]._grads.buckets)
+
+    x = _steps_side_by_side((eager, deferred), opts, rank, device, in_flight)
     grads = opts[1]._grads
     first = {id(b) for b in grads.buckets_of(list(deferred[0].parameters()))}
     deferred[0](x)
@@ -134,17 +144,13 @@ def zero_gathers_in_the_forward_order(rank: int, world: int, device: str = "cpu"
                              gather_in_forward=[*deferred.body, deferred], **HYPER))  # fmt: skip
     grads = opts[1]._grads
     units = [deferred.head, *deferred.body]  # the order the hooks ask: the model's (its head) first
-    expected = [id(b) for u in units for b in sorted(grads.buckets_of(list(u.parameters())),
-                                                     key=lambda b: -grads.buckets.index(b))]  # fmt: skip
+    expected = [id(b) for u in units for b in grads.buckets_of(list(u.parameters()))]
     assert expected != [id(b) for b in reversed(grads.buckets)]  # parameter order would differ
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        x = torch.randn(4, 8, generator=gen).to(device)
-        for model, opt in zip((eager, deferred), opts, strict=True):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+
+    def in_hook_order() -> None:
         assert list(grads.pending) == expected
+
+    _steps_side_by_side((eager, deferred), opts, rank, device, in_hook_order)
     opts[1].wait_params()
     for p, q in zip(eager.parameters(), deferred.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -104,7 +104,6 @@ class ZeroGrads:
         if current:
             self.buckets.append(GradBucket(current, [shards[id(q)] for q in current]))
         self._bucket_of = {id(p): (b, s) for b in self.buckets for p, s in zip(b.params, b.shards, strict=True)}
-        self._index = {id(b): i for i, b in enumerate(self.buckets)}
         self._next = 0  # the next bucket to launch this round: launches go in index order on every rank
         self.pending: dict[int, tuple] = {}  # id(bucket) -> (bucket, work, out, send): deferred all-gathers
         self._asked: dict[int, None] = {}  # ids of buckets forward hooks asked for since the last round, in order
@@ -173,7 +172,7 @@ class ZeroGrads:
         unpack the rows into the parameters (on the current stream: nothing after reads them early)."""
         wanted = None if buckets is None else {id(b) for b in buckets}
         if buckets is not None:  # a forward hook: the order of first requests orders the next round
-            self._asked.update((id(b), None) for b in sorted(buckets, key=lambda b: -self._index[id(b)]))
+            self._asked.update((id(b), None) for b in buckets)
         for i in [i for i in self.pending if wanted is None or i in wanted]:
             b, work, out, _ = self.pending.pop(i)
             work.wait()
@@ -183,9 +182,10 @@ class ZeroGrads:
             torch._foreach_copy_([d for d, _ in pairs], [src for _, src in pairs])
 
     def buckets_of(self, params: list[Tensor]) -> list[GradBucket]:
-        """The buckets that hold any of ``params`` (those these buckets know)."""
-        found = {id(self._bucket_of[id(p)][0]): self._bucket_of[id(p)][0] for p in params if id(p) in self._bucket_of}
-        return list(found.values())
+        """The buckets that hold any of ``params`` (those these buckets know), the last bucket first:
+        the first layers' first, the order ``all_gather_params`` sends what no hook asked for."""
+        found = {id(p) for p in params}
+        return [b for b in reversed(self.buckets) if any(id(p) in found for p in b.params)]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
