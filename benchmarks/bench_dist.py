@@ -17,7 +17,7 @@ Per configuration: ``iter_ms`` (forward + backward + step, median of the timed i
 for ``shard+``),
 ``step_ms`` (``opt.step()`` alone, with its all-gather for ZeRO-2), ``exposed_comm_ms`` (time the
 GPU spent in communication kernels while no compute kernel ran, from the profiler's kernel
-intervals of an iteration, the ranks lined up by a barrier first; median of ``--profiled``),
+intervals of ``--profiled`` back-to-back iterations and one more forward, per iteration),
 ``peak_gib`` (``max_memory_allocated`` over the timed iterations) and
 ``state_gib`` (this rank's optimizer state). At one rank the collectives are copies: the figures
 show the layer's overhead, not its scaling; the multi-GPU figures need several GPUs.
@@ -229,6 +229,10 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def forward() -> None:
+        with torch.no_grad():
+            module(x[:, :-1])
+
     for _ in range(args.warmup):
         iteration()
     torch.cuda.synchronize()
@@ -248,24 +252,30 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
         steps.append(mid.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     return dict(config=config, world=world, iter_ms=statistics.median(iters), step_ms=statistics.median(steps),
-                exposed_comm_ms=profiled_exposed_ms(iteration, args.profiled), peak_gib=peak,
+                exposed_comm_ms=profiled_exposed_ms(iteration, forward, args.profiled), peak_gib=peak,
                 state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
 
 
-def profiled_exposed_ms(iteration, count: int) -> float:
-    """Median over ``count`` profiled iterations of ``exposed_ms``, the ranks lined up first (a
-    collective launched while a peer is still starting its profiler would count the wait)."""
-    exposed = []
-    for _ in range(count):
-        torch.cuda.synchronize()
-        dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+def profiled_exposed_ms(iteration, forward, count: int) -> float:
+    """``exposed_ms`` per iteration over one profiled window of ``count`` back-to-back iterations
+    closed by one more ``forward`` (no backward), the ranks lined up by a barrier first.
+
+    The closing forward is where a training loop's next forward would be: ZeRO-2 with
+    ``gather_in_forward`` leaves each step's all-gathers to it, so a window ending at the last
+    ``step()`` would count those gathers as exposed with no compute left to overlap them (and its
+    first forward finds the gathers from before the window already done: the window holds
+    ``count`` steps' gathers and ``count`` forwards waiting for them). A collective launched while a
+    peer is still starting its profiler would count the wait, hence the barrier."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(count):
             iteration()
-            torch.cuda.synchronize()
-        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
-        exposed.append(exposed_ms(kernels))
-    return statistics.median(exposed)
+        forward()
+        torch.cuda.synchronize()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+    return exposed_ms(kernels) / count
 
 
 def write_tables(
@@ -306,7 +316,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--profiled", type=int, default=3, help="profiled iterations for exposed_comm_ms (median)")
+    ap.add_argument("--profiled", type=int, default=3, help="iterations in the profiled window of exposed_comm_ms")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)

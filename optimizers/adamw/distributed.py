@@ -33,7 +33,10 @@ class DistributedAdamW(AdamW):
     """AdamW with ZeRO-2 sharding over ``process_group`` (default: the world), for plain models.
 
     Args: as :class:`AdamW`, plus ``process_group``, ``bucket_cap_mb`` (the most gradient bytes
-    reduce-scattered together, 25 like DDP's default) and ``gather_in_forward``: modules listed as
+    reduce-scattered together; 400, not DDP's 25: each bucket costs a reduce-scatter and an
+    all-gather launched from Python, and each lines the ranks up; at 25 MB a 1B-parameter model's
+    ~80 collectives an iteration made it a third slower, see docs/distributed.md) and
+    ``gather_in_forward``: modules listed as
     FSDP2's units would be (e.g. each decoder layer, then the model). Given, ``step()`` leaves the
     updated parameters' all-gathers in flight, and each listed module's next forward first waits
     for those of the parameters it holds (less those of a module listed before it), so the
@@ -66,7 +69,7 @@ class DistributedAdamW(AdamW):
         params: Iterable[Tensor] | Iterable[dict],
         *args,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = 400.0,
         gather_in_forward: Iterable[torch.nn.Module] | None = None,
         **kwargs,
     ) -> None:
