@@ -30,6 +30,11 @@ class RowShard:
         self.start = min(rank * self.per_rank, self.rows)
         self.end = min(self.start + self.per_rank, self.rows)
         self.offset = 0
+        # the chunks: `whole` full ones, then one of `rest` rows where R is not a multiple of
+        # per_rank; `even`: R = world * per_rank (no padding). Fixed, so the gradient hooks, which
+        # run once per parameter per backward on the host, do no arithmetic for them.
+        self.whole, self.rest = divmod(self.rows, self.per_rank) if self.per_rank else (0, 0)
+        self.even = self.whole == world
 
     @property
     def padded_numel(self) -> int:
@@ -41,28 +46,38 @@ class RowShard:
         return full[self.start : self.end]
 
     def slots(self, segments: Tensor) -> Tensor:
-        """This parameter's slots in every rank's piece: a [world, per_rank, C] view of ``segments``."""
-        width = self.padded_numel
-        return segments[:, self.offset : self.offset + width].view(self.world, self.per_rank, self.row_numel)
+        """This parameter's slots in every rank's piece: a [world, per_rank, C] view of ``segments``
+        ([world, n], rows contiguous; one strided view rather than a slice and a view)."""
+        return segments.as_strided((self.world, self.per_rank, self.row_numel), (segments.stride(0), self.row_numel, 1),
+                                   segments.storage_offset() + self.offset)  # fmt: skip
+
+    def _chunks(self, full: Tensor) -> Tensor:
+        """``full``'s first ``whole * per_rank`` rows as [whole, per_rank, C]."""
+        return full.view(-1)[: self.whole * self.padded_numel].view(self.whole, self.per_rank, self.row_numel)
 
     def scatter_rows(self, full: Tensor, segments: Tensor) -> None:
         """Write ``full`` ([R, ...]) into its slots of ``segments`` ([world, n]), padding rows zeroed."""
-        slots, rows = self.slots(segments), full.reshape(self.rows, self.row_numel)
-        whole, rest = divmod(self.rows, self.per_rank)
-        slots[:whole].copy_(rows[: whole * self.per_rank].view(whole, self.per_rank, self.row_numel))
+        slots, full = self.slots(segments), full if full.is_contiguous() else full.contiguous()
+        if self.even:
+            slots.copy_(full.view(self.world, self.per_rank, self.row_numel))
+            return
+        whole, rest = self.whole, self.rest
+        slots[:whole].copy_(self._chunks(full))
         if rest:
-            slots[whole, :rest].copy_(rows[whole * self.per_rank :])
+            slots[whole, :rest].copy_(full.view(self.rows, self.row_numel)[whole * self.per_rank :])
             slots[whole, rest:].zero_()
         slots[whole + (1 if rest else 0) :].zero_()
 
     def gather_pairs(self, segments: Tensor, full: Tensor) -> list[tuple[Tensor, Tensor]]:
         """(destination, source) views that read ``full`` ([R, ...], contiguous) back from its slots of
         ``segments`` ([world, n]): the caller copies many parameters' pairs in one foreach launch."""
-        slots, rows = self.slots(segments), full.view(self.rows, self.row_numel)
-        whole, rest = divmod(self.rows, self.per_rank)
-        pairs = [(rows[: whole * self.per_rank].view(whole, self.per_rank, self.row_numel), slots[:whole])]
-        if rest:
-            pairs.append((rows[whole * self.per_rank :], slots[whole, :rest]))
+        slots = self.slots(segments)
+        if self.even:
+            return [(full.view(self.world, self.per_rank, self.row_numel), slots)]
+        pairs = [(self._chunks(full), slots[: self.whole])]
+        if self.rest:
+            tail = full.view(self.rows, self.row_numel)[self.whole * self.per_rank :]
+            pairs.append((tail, slots[self.whole, : self.rest]))
         return pairs
 
     def piece(self, reduced: Tensor) -> Tensor:
