@@ -41,6 +41,48 @@ def test_a_failed_warmup_is_dropped_by_wait_and_kept_by_its_future():
     precompile.Warm(None).wait()
 
 
+def test_later_tasks_start_once_every_other_task_has_finished():
+    events, lock = [], threading.Lock()
+
+    def task(name, seconds):
+        with lock:
+            events.append(("start", name))
+        time.sleep(seconds)
+        with lock:
+            events.append(("end", name))
+
+    first = [precompile._submit(lambda i=i: task(f"now{i}", 0.05 * (i % 3 + 1))) for i in range(12)]
+    later = [precompile._submit(lambda i=i: task(f"later{i}", 0.01), later=True) for i in range(6)]
+    more = precompile._submit(lambda: task("now-last", 0.05))  # queued after the later ones
+    for f in [*first, *later, more]:
+        f.result(timeout=60)
+    position = {e: i for i, e in enumerate(events)}
+    last_now_end = max(i for (kind, name), i in position.items() if kind == "end" and name.startswith("now"))
+    first_later_start = min(i for (kind, name), i in position.items() if kind == "start" and name.startswith("later"))
+    assert first_later_start > last_now_end, events
+    _settle(lambda: precompile._workers == 0)
+    assert precompile._workers == 0 and precompile._running == 0
+    # with nothing else queued, a later task starts at once
+    assert precompile._submit(lambda: "alone", later=True).result(timeout=30) == "alone"
+
+
+def test_waiting_for_a_later_compile_not_started_takes_it_off_the_queue():
+    gate = threading.Event()
+    blocker = precompile._submit(lambda: gate.wait(30))
+    ran = []
+    queued = precompile._submit(lambda: ran.append(1), later=True)
+    precompile.Warm(queued, later=True).wait()  # returns at once: the launch compiles it itself
+    assert queued.cancelled()
+    gate.set()
+    blocker.result(timeout=30)
+    _settle(lambda: precompile._workers == 0)
+    assert ran == []
+    done = precompile._submit(lambda: ran.append(2), later=True)
+    done.result(timeout=30)
+    precompile.Warm(done, later=True).wait()  # finished: nothing to take off
+    assert ran == [2]
+
+
 def test_nothing_is_compiled_ahead_on_the_cpu():
     p = torch.zeros(4)
     assert not precompile.enabled(p.device) and not precompile.worth_planning([p])
@@ -81,7 +123,7 @@ def test_begin_lists_params_and_leaves_iterators_inside_groups_alone():
 
 def test_launches_of_one_variant_are_warmed_once(monkeypatch):
     warmed = []
-    monkeypatch.setattr(precompile, "warm", lambda kernel, grid, args, kwargs, device: warmed.append(args))
+    monkeypatch.setattr(precompile, "warm", lambda kernel, grid, args, kwargs, device, later: warmed.append(args))
     kernel, a, b = object(), torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
     launches = [(kernel, (1,), (a, 32, 0.5), {"BLOCK": 4}), (kernel, (2,), (torch.ones(4), 48, 0.1), {"BLOCK": 4}),
                 (kernel, (1,), (b, 32, 0.5), {"BLOCK": 4}), (kernel, (1,), (a, 1, 0.5), {"BLOCK": 4}),

@@ -239,12 +239,14 @@ class TritonMultiTensor(TritonBucket):
         self.exp_avg_sq_table = pointer_table(self.exp_avg_sqs, dev)
         self.max_table = pointer_table(self.max_exp_avg_sqs, dev) if self.max_exp_avg_sqs else self.exp_avg_sq_table
         self._grads = GradTable(dev, len(self.params))
-        # both variants (with and without GradScaler's tensors) start compiling now (precompile.py);
-        # a dtype stands for a tensor the launch takes later (the lr buffer, GradScaler's)
+        # both variants (with and without GradScaler's tensors) are queued now, GradScaler's behind
+        # the rest (precompile.py); a dtype stands for a tensor the launch takes later (the lr
+        # buffer, GradScaler's)
         for scaling in (False, True):
             scaler = (torch.float32, torch.float32) if scaling else self.scaler_args(None, None)
             args = self._args(self._grads.table, torch.float32, *scaler, (0.0,) * len(KERNEL_SCALARS))
-            self._warm[scaling] = precompile.warm(self._load(scaling), (self.n_work,), args, self.launch_options, dev)
+            self._warm[scaling] = precompile.warm(self._load(scaling), (self.n_work,), args, self.launch_options, dev,
+                                                  later=scaling)  # fmt: skip
 
     def configure(self, config) -> None:
         super().configure(config)

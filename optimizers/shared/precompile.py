@@ -15,6 +15,11 @@ launch site calls ``handle.wait()`` before its first launch of that kernel, so t
 done twice. A failed warmup is dropped: the launch then compiles in the caller and raises there,
 as it would have without this. Off under the interpreter, on CPU tensors, without Triton, and
 with ``KERNEL_FACTORY_PRECOMPILE=0``.
+
+``later=True`` queues a variant a step may never launch (those taking GradScaler's tensors): it
+starts once every other queued compile has finished, so it does not take the host's cores and
+the GIL (Triton's Python front end holds it) from the variants the first step waits for; a ``wait()`` on one whose compile has not started takes it off the queue,
+and the launch compiles it at once in the caller rather than after the queue.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from .dtensor import local
 MAX_THREADS = min(8, os.cpu_count() or 1)
 _lock = threading.Lock()
 _queue: queue.SimpleQueue = queue.SimpleQueue()
+_later: queue.SimpleQueue = queue.SimpleQueue()  # started once _queue is empty and none of it runs
 _workers = 0
+_running = 0  # items of _queue running now
 _started = False  # Triton imported and its driver queued (the first _submit)
 _hashing = False  # Triton's hash of itself queued (start_hash or the first _submit)
 
@@ -116,9 +123,10 @@ def start_hash() -> None:
             _spawn_worker()
 
 
-def _submit(fn: Callable[[], object]) -> Future:
+def _submit(fn: Callable[[], object], later: bool = False) -> Future:
     """Run ``fn`` on one of up to MAX_THREADS daemon threads, which exit when the queue is empty (no
-    idle threads are left behind for a later fork, such as a DataLoader's, to copy)."""
+    idle threads are left behind for a later fork, such as a DataLoader's, to copy); ``later``: once
+    nothing else is queued or running."""
     global _started, _hashing
     future: Future = Future()
     with _lock:
@@ -129,8 +137,9 @@ def _submit(fn: Callable[[], object]) -> Future:
                 _hashing = True
                 _queue.put((Future(), _triton_key))
             _queue.put((Future(), _triton_driver))
-        _queue.put((future, fn))
-        _spawn_worker()
+        (_later if later else _queue).put((future, fn))
+        if not later or (_queue.empty() and not _running):
+            _spawn_worker()
     return future
 
 
@@ -143,19 +152,33 @@ def _spawn_worker() -> None:
 
 
 def _work() -> None:
-    global _workers
+    global _workers, _running
     while True:
         with _lock:  # (an item put after this check starts a new worker)
             try:
                 future, fn = _queue.get_nowait()
+                now = True
             except queue.Empty:
-                _workers -= 1
-                return
+                now = False
+                try:
+                    if _running:  # the later items wait for these; the last to finish starts them
+                        raise queue.Empty
+                    future, fn = _later.get_nowait()
+                except queue.Empty:
+                    _workers -= 1
+                    return
+            _running += now
         if future.set_running_or_notify_cancel():
             try:
                 future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 future.set_exception(e)
+        if now:
+            with _lock:
+                _running -= 1
+                if not _running and _queue.empty():  # this thread goes on to them; more join it
+                    for _ in range(min(_later.qsize(), MAX_THREADS) - 1):
+                        _spawn_worker()
 
 
 def _import_triton() -> None:
@@ -189,23 +212,25 @@ def _triton_driver() -> None:
 class Warm:
     """A kernel variant compiling in the background (``warm``); ``wait()`` before launching it."""
 
-    def __init__(self, future: Future | None) -> None:
-        self._future = future
+    def __init__(self, future: Future | None, later: bool = False) -> None:
+        self._future, self._later = future, later
 
     def wait(self) -> None:
-        """Block until the compile finished (or failed: the launch then compiles and reports)."""
+        """Block until the compile finished (or failed: the launch then compiles and reports); a
+        ``later`` one not started yet is dropped from the queue, for the launch to compile at once."""
         future, self._future = self._future, None
-        if future is not None:
+        if future is not None and not (self._later and future.cancel()):
             try:
                 future.result()
             except Exception:  # noqa: BLE001 - the caller's own launch raises the real error
                 pass
 
 
-def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device) -> Warm:
+def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, later: bool = False) -> Warm:
     """Compile and load ``kernel[grid](*args, **kwargs)``'s variant on ``device`` in the background
     (nothing runs on the GPU). ``args`` are the launch's arguments; tensors only lend their dtype and
-    alignment, so placeholders of the right dtype serve where the real ones do not exist yet."""
+    alignment, so placeholders of the right dtype serve where the real ones do not exist yet.
+    ``later``: a variant a step may never launch, compiled after everything else queued."""
     if not enabled(device):
         return Warm(None)
 
@@ -216,7 +241,7 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device) -
             if init is not None:
                 init()
 
-    return Warm(_submit(compile_variant))
+    return Warm(_submit(compile_variant, later), later)
 
 
 def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
@@ -239,7 +264,7 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
     return (id(kernel), tuple(map(kind, args)), tuple(sorted(kwargs.items())))
 
 
-def warm_launches(launches: list[tuple], device: torch.device) -> list[Warm]:
+def warm_launches(launches: list[tuple], device: torch.device, later: bool = False) -> list[Warm]:
     """``warm`` each distinct variant of ``launches`` ((kernel, grid, args, kwargs) as the step will
     issue them, placeholders allowed as in ``warm``) on ``device``."""
     seen, out = set(), []
@@ -247,7 +272,7 @@ def warm_launches(launches: list[tuple], device: torch.device) -> list[Warm]:
         key = _signature(kernel, args, kwargs)
         if key not in seen:
             seen.add(key)
-            out.append(warm(kernel, grid, args, kwargs, device))
+            out.append(warm(kernel, grid, args, kwargs, device, later))
     return out
 
 

@@ -330,11 +330,13 @@ class TurboLaunch:
 
     def _precompile(self) -> None:
         """Queue both variants' launches (with and without GradScaler's tensors) for their background
-        compile (precompile.py): a dtype stands for the lr buffer, zeros for the floats."""
+        compile (precompile.py), GradScaler's behind the rest: a dtype stands for the lr buffer,
+        zeros for the floats."""
         upd = (0.0,) * 9
         for scaling in (False, True):
             launches = self._launches(scaling, self._grads.table, torch.float32, self._one, self._zero, upd)
-            self._warm[scaling] = precompile.warm_launches([launch for _, launch in launches], self.device)
+            self._warm[scaling] = precompile.warm_launches([launch for _, launch in launches], self.device,
+                                                           later=scaling)  # fmt: skip
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| of this launch's tensors (0-d fp32, no sync)."""
