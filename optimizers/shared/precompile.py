@@ -18,8 +18,9 @@ with ``KERNEL_FACTORY_PRECOMPILE=0``.
 
 ``later=True`` queues a variant a step may never launch (those taking GradScaler's tensors): it
 starts once every other queued compile has finished, so it does not take the host's cores and
-the GIL (Triton's Python front end holds it) from the variants the first step waits for; a ``wait()`` on one whose compile has not started takes it off the queue,
-and the launch compiles it at once in the caller rather than after the queue.
+the GIL (Triton's Python front end holds it) from the variants the first step waits for; a
+``wait()`` on one whose compile has not started takes it off the queue, and the launch compiles
+it at once in the caller rather than after the queue.
 """
 
 from __future__ import annotations
