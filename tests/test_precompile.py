@@ -51,9 +51,12 @@ def test_later_tasks_start_once_every_other_task_has_finished():
         with lock:
             events.append(("end", name))
 
-    first = [precompile._submit(lambda i=i: task(f"now{i}", 0.05 * (i % 3 + 1))) for i in range(12)]
+    gate = threading.Event()  # holds one task running until every task is queued (no timing)
+    first = [precompile._submit(lambda: (gate.wait(30), task("now-gate", 0.01)))]
+    first += [precompile._submit(lambda i=i: task(f"now{i}", 0.01 * (i % 3 + 1))) for i in range(12)]
     later = [precompile._submit(lambda i=i: task(f"later{i}", 0.01), later=True) for i in range(6)]
-    more = precompile._submit(lambda: task("now-last", 0.05))  # queued after the later ones
+    more = precompile._submit(lambda: task("now-last", 0.02))  # queued after the later ones
+    gate.set()
     for f in [*first, *later, more]:
         f.result(timeout=60)
     position = {e: i for i, e in enumerate(events)}
