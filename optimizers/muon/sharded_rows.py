@@ -43,8 +43,8 @@ class LocalRowsKernels:
         self.config = dict(select(MUON, arch, MUON.variant(multi_tensor=True, param_dtype=TRITON_DTYPES[dtype]),
                                   TRITON_DTYPES[dtype], len(locals_) * self.m * self.n))  # fmt: skip
         self._variant = dict(multi_tensor=self.multi_tensor, param_dtype=TRITON_DTYPES[dtype])
-        blocks = (self.config["BLOCK_R"], self.config["BLOCK_C"])
-        self.tiles = -(-self.m // blocks[0]) * -(-self.n // blocks[1])
+        self.options = {key: self.config[key] for key in ("BLOCK_R", "BLOCK_C", "num_warps")}  # launch options
+        self.tiles = -(-self.m // self.options["BLOCK_R"]) * -(-self.n // self.options["BLOCK_C"])
         # the norm's partial sums, which the kernel writes and nobody reads: the owner takes the
         # norm of the whole matrix
         self._partial = torch.empty((len(locals_), self.tiles), dtype=torch.float32, device=self.device)
@@ -60,9 +60,6 @@ class LocalRowsKernels:
             k = self._kernels[nesterov] = load(MUON, MUON.variant(**self._variant, nesterov=nesterov))
         return k
 
-    def _options(self) -> dict:
-        return dict(BLOCK_R=self.config["BLOCK_R"], BLOCK_C=self.config["BLOCK_C"], num_warps=self.config["num_warps"])
-
     def momentum(self, mu: float, nesterov: bool) -> None:
         """buf = lerp(buf, g, 1 - mu) in place; ``out``'s pieces = bf16 of the buffer (Nesterov:
         of lerp(g, buf, mu)), transposed where ``transposed``."""
@@ -71,11 +68,11 @@ class LocalRowsKernels:
             grads = self._grads.update(self.params, lambda: checked_grads(self.params))
             k.momentum_kernel[(self.tiles, len(self.locals))](grads, self._buf_table, self._flags, self.out,
                                                              self._partial, m, n, mu, 1 - mu,
-                                                             **self._options())  # fmt: skip
+                                                             **self.options)  # fmt: skip
             return
         for i, (g, buf) in enumerate(zip(checked_grads(self.params), self.bufs, strict=True)):
             k.momentum_kernel[(self.tiles,)](g.contiguous(), buf, int(self.transposed), self.out[i], self._partial[i],
-                                             m, n, mu, 1 - mu, **self._options())  # fmt: skip
+                                             m, n, mu, 1 - mu, **self.options)  # fmt: skip
 
     def apply(self, decay: float, lr: float) -> None:
         """p = p * decay - lr * (the piece of ``back``, transposed back where ``transposed``), in
@@ -83,8 +80,8 @@ class LocalRowsKernels:
         k, m, n = self._module(False), self.m, self.n
         if self.multi_tensor:
             k.apply_kernel[(self.tiles, len(self.locals))](self._p_table, self._flags, self.back, m, n, decay, lr,
-                                                          lr, **self._options())  # fmt: skip
+                                                          lr, **self.options)  # fmt: skip
             return
         for i, p in enumerate(self.locals):
             k.apply_kernel[(self.tiles,)](p, int(self.transposed), self.back[i], m, n, decay, lr, lr,
-                                          **self._options())  # fmt: skip
+                                          **self.options)  # fmt: skip
