@@ -4,6 +4,8 @@ CPU."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -84,6 +86,33 @@ def test_waiting_for_a_later_compile_not_started_takes_it_off_the_queue():
     done.result(timeout=30)
     precompile.Warm(done, later=True).wait()  # finished: nothing to take off
     assert ran == [2]
+
+
+def test_exit_drops_queued_compiles_and_waits_for_the_running_one(monkeypatch):
+    monkeypatch.setattr(precompile, "MAX_THREADS", 1)  # the queued tasks find no idle worker
+    gate, ran = threading.Event(), []
+    running = precompile._submit(lambda: (gate.wait(30), ran.append("running")))
+    _settle(lambda: precompile._running == 1)
+    queued = [precompile._submit(lambda: ran.append("queued")),
+              precompile._submit(lambda: ran.append("later"), later=True)]  # fmt: skip
+    threading.Timer(0.2, gate.set).start()  # the running compile ends while the drain waits
+    precompile._drain_at_exit()
+    assert ran == ["running"] and running.done() and all(f.cancelled() for f in queued)
+    assert precompile._workers == 0
+
+
+def test_a_process_exits_after_its_running_compile_has_finished(tmp_path):
+    # without the drain the interpreter stops the daemon worker mid-task (in Triton's C++: an abort)
+    done = tmp_path / "done"
+    script = (f"import pathlib, threading, time\n"
+              f"from kernel_factory.optimizers.shared import precompile\n"
+              f"started = threading.Event()\n"
+              f"task = lambda: (started.set(), time.sleep(0.5), pathlib.Path({str(done)!r}).write_text('1'))\n"
+              f"precompile._submit(task)\n"
+              f"started.wait(60)\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert done.read_text() == "1"
 
 
 def test_nothing_is_compiled_ahead_on_the_cpu():

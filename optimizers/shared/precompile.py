@@ -21,10 +21,16 @@ starts once every other queued compile has finished, so it does not take the hos
 the GIL (Triton's Python front end holds it) from the variants the first step waits for; a
 ``wait()`` on one whose compile has not started takes it off the queue, and the launch compiles
 it at once in the caller rather than after the queue.
+
+At interpreter exit the queued compiles are dropped and the running ones waited for: a daemon
+thread still inside Triton's C++ passes when the interpreter finalizes is ended by
+``pthread_exit``, whose forced unwind through those frames aborts the process ("FATAL: exception
+not rethrown"; found with a script whose last step left GradScaler's variants compiling).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -43,6 +49,7 @@ _lock = threading.Lock()
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _later: queue.SimpleQueue = queue.SimpleQueue()  # started once _queue is empty and none of it runs
 _workers = 0
+_idle = threading.Condition(_lock)  # notified when a worker exits
 _running = 0  # items of _queue running now
 _started = False  # Triton imported and its driver queued (the first _submit)
 _hashing = False  # Triton's hash of itself queued (start_hash or the first _submit)
@@ -167,6 +174,7 @@ def _work() -> None:
                     future, fn = _later.get_nowait()
                 except queue.Empty:
                     _workers -= 1
+                    _idle.notify_all()
                     return
             _running += now
         if future.set_running_or_notify_cancel():
@@ -180,6 +188,22 @@ def _work() -> None:
                 if not _running and _queue.empty():  # this thread goes on to them; more join it
                     for _ in range(min(_later.qsize(), MAX_THREADS) - 1):
                         _spawn_worker()
+
+
+@atexit.register
+def _drain_at_exit(timeout: float = 120.0) -> None:
+    """Cancel every compile not started and wait (up to ``timeout`` s) for the running ones, so no
+    worker is inside Triton when the interpreter finalizes (registered with ``atexit``, which runs
+    before daemon threads are stopped)."""
+    with _lock:
+        for q in (_queue, _later):
+            while True:
+                try:
+                    future, _ = q.get_nowait()
+                except queue.Empty:
+                    break
+                future.cancel()
+        _idle.wait_for(lambda: _workers == 0, timeout)
 
 
 def _import_triton() -> None:
