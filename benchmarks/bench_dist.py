@@ -258,24 +258,38 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
 
 def profiled_exposed_ms(iteration, forward, count: int) -> float:
     """``exposed_ms`` per iteration over one profiled window of ``count`` back-to-back iterations
-    closed by one more ``forward`` (no backward), the ranks lined up by a barrier first.
+    closed by one more ``forward`` (no backward), the ranks lined up inside the profiler first.
 
     The closing forward is where a training loop's next forward would be: ZeRO-2 with
     ``gather_in_forward`` leaves each step's all-gathers to it, so a window ending at the last
     ``step()`` would count those gathers as exposed with no compute left to overlap them (and its
     first forward finds the gathers from before the window already done: the window holds
-    ``count`` steps' gathers and ``count`` forwards waiting for them). A collective launched while a
-    peer is still starting its profiler would count the wait, hence the barrier."""
+    ``count`` steps' gathers and ``count`` forwards waiting for them).
+
+    Starting the profiler takes each rank a different time (CUPTI's setup, the longest in a
+    process's first window), so a barrier before it does not line the ranks up: the window's first
+    collective would count the wait for the slowest peer. A marker all-reduce and a synchronize
+    inside the window line them up, and only the kernels after the marker are counted
+    (``after_marker``)."""
     torch.cuda.synchronize()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
+        torch.cuda.synchronize()
         for _ in range(count):
             iteration()
         forward()
         torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
-    return exposed_ms(kernels) / count
+    return exposed_ms(after_marker(kernels)) / count
+
+
+def after_marker(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The kernels that start after the first communication kernel (the window's marker all-reduce)
+    has ended; all of them where there is none (one rank: NCCL may launch nothing)."""
+    marks = [e for n, s, e in sorted(kernels, key=lambda k: k[1]) if "nccl" in n.lower()]
+    return kernels if not marks else [k for k in kernels if k[1] >= marks[0]]
 
 
 def write_tables(

@@ -7,7 +7,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from benchmarks.bench_dist import shard_params
+from benchmarks.bench_dist import after_marker, exposed_ms, shard_params
 from benchmarks.convergence.model import ModelConfig, TinyLlama
 from kernel_factory.optimizers.muon.optimizer import uses_muon
 
@@ -66,3 +66,14 @@ def test_every_configuration_builds_and_steps_at_two_ranks():
     """The benchmark's configurations (FSDP2, ZeRO-2, DDP, one GPU, shard) on 2 Gloo ranks: what a
     multi-GPU run would take, caught on CPU first."""
     run_ranks(2, every_config_steps)
+
+
+def test_exposed_communication_counts_only_what_follows_the_window_marker():
+    # (name, start us, end us): a rank waiting 400 us in the marker for a peer's profiler to start,
+    # then an all-reduce half hidden by a matmul and a 100 us all-gather with nothing beside it
+    kernels = [("fill", 0.0, 5.0), ("ncclDevKernel_AllReduce", 10.0, 410.0), ("gemm", 420.0, 520.0),
+               ("ncclDevKernel_AllReduce_Sum", 470.0, 570.0), ("ncclDevKernel_AllGather", 600.0, 700.0)]  # fmt: skip
+    assert exposed_ms(after_marker(kernels)) == pytest.approx((50.0 + 100.0) / 1e3)
+    assert exposed_ms(kernels) == pytest.approx((400.0 + 50.0 + 100.0) / 1e3)  # the wait, without the marker
+    no_comm = [("gemm", 0.0, 10.0)]
+    assert after_marker(no_comm) == no_comm

@@ -34,6 +34,7 @@ import atexit
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -49,7 +50,7 @@ _lock = threading.Lock()
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _later: queue.SimpleQueue = queue.SimpleQueue()  # started once _queue is empty and none of it runs
 _workers = 0
-_idle = threading.Condition(_lock)  # notified when a worker exits
+_threads: list[threading.Thread] = []  # the workers started (the ended ones pruned at each start)
 _running = 0  # items of _queue running now
 _started = False  # Triton imported and its driver queued (the first _submit)
 _hashing = False  # Triton's hash of itself queued (start_hash or the first _submit)
@@ -156,7 +157,9 @@ def _spawn_worker() -> None:
     global _workers
     if _workers < MAX_THREADS:
         _workers += 1
-        threading.Thread(target=_work, name="kf-compile", daemon=True).start()
+        _threads[:] = [t for t in _threads if t.is_alive()]
+        _threads.append(threading.Thread(target=_work, name="kf-compile", daemon=True))
+        _threads[-1].start()
 
 
 def _work() -> None:
@@ -174,7 +177,6 @@ def _work() -> None:
                     future, fn = _later.get_nowait()
                 except queue.Empty:
                     _workers -= 1
-                    _idle.notify_all()
                     return
             _running += now
         if future.set_running_or_notify_cancel():
@@ -192,9 +194,10 @@ def _work() -> None:
 
 @atexit.register
 def _drain_at_exit(timeout: float = 120.0) -> None:
-    """Cancel every compile not started and wait (up to ``timeout`` s) for the running ones, so no
-    worker is inside Triton when the interpreter finalizes (registered with ``atexit``, which runs
-    before daemon threads are stopped)."""
+    """Cancel every compile not started and join the workers (up to ``timeout`` s in all), so no
+    thread of ours is alive when the interpreter finalizes (registered with ``atexit``, which runs
+    before daemon threads are stopped). Joined, not counted: a worker that has left its loop still
+    runs its thread's teardown (a CUDA context's thread-local state among it)."""
     with _lock:
         for q in (_queue, _later):
             while True:
@@ -203,7 +206,10 @@ def _drain_at_exit(timeout: float = 120.0) -> None:
                 except queue.Empty:
                     break
                 future.cancel()
-        _idle.wait_for(lambda: _workers == 0, timeout)
+        threads = list(_threads)
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _import_triton() -> None:
