@@ -5,6 +5,10 @@ optimizer built with precompiling off."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -57,3 +61,25 @@ def test_kernels_compile_ahead_and_the_steps_are_unchanged(name, dtype, monkeypa
         opt_plain.step()
     for p, q in zip(ahead.parameters(), plain.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", ["adamw", "turbo_adam"])
+def test_a_process_that_exits_right_after_its_first_step_exits_cleanly(name, tmp_path):
+    # its GradScaler variants are still compiling at exit (queued behind the rest): a worker left
+    # inside Triton's C++ when the interpreter finalizes aborted the process (exit status -6)
+    build = {"adamw": "AdamW(model.parameters(), lr=1e-3)", "turbo_adam": "TurboAdam(model.parameters(), lr=1e-3)"}
+    script = (f"import torch\n"
+              f"from kernel_factory.optimizers import AdamW, TurboAdam\n"
+              f"from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes\n"
+              f"shapes = llama_param_shapes(layers=2, ffn=384, vocab=512, dim=128, n_heads=4, n_kv_heads=2)\n"
+              f"model = ShapeModel(shapes, torch.bfloat16, 'cuda')\n"
+              f"opt = {build[name]}\n"
+              f"for p in model.parameters():\n"
+              f"    p.grad = torch.ones_like(p)\n"
+              f"opt.step()\n"
+              f"torch.cuda.synchronize()\n"
+              f"print('stepped')\n")  # fmt: skip
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "KERNEL_FACTORY_CACHE_DIR": str(tmp_path / "kf")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                         check=False)  # fmt: skip
+    assert out.returncode == 0 and "stepped" in out.stdout, out.stderr[-3000:]
