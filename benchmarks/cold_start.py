@@ -92,6 +92,26 @@ def measure(name: str, shapes: str, dtype: str, gap: float) -> dict:
             "steady_step_s": warm["second_step_s"]}  # fmt: skip
 
 
+def write_table(args, rows: list[dict], device: str, torch_version: str) -> None:
+    """``cold_start.md`` under ``args.out``: the command, then one line of ``measure``'s figures per
+    optimizer measured so far."""
+    head = (f"First step in a new process on {device}, {args.shapes}, {args.dtype} params, "
+            f"torch {torch_version}; seconds (construction apart), Python bytecode cached. Command: "
+            f"`python -m benchmarks.cold_start --optimizers {args.optimizers} --shapes {args.shapes} "
+            f"--dtype {args.dtype} --gap {args.gap:g}`")  # fmt: skip
+    if len(rows) < len(args.optimizers.split(",")):
+        head += f" (cut short after {len(rows)} of them)"
+    later = f"first step {args.gap:g} s after build"
+    lines = [head, "", f"| optimizer | build, empty caches | first step, empty caches | {later}, empty caches | "
+             f"build, warm caches | first step, warm caches | {later}, warm caches | steady step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        cells = [f"{r[k]:.3f}" for k in ("build_cold_s", "first_step_cold_s", "first_step_cold_later_s",
+                                         "build_warm_s", "first_step_warm_s", "first_step_warm_later_s")]  # fmt: skip
+        lines.append(f"| {r['optimizer']} | {' | '.join(cells)} | {r['steady_step_s']:.4f} |")
+    write_report(args.out / "cold_start.md", lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizers", default=DEFAULT)
@@ -114,20 +134,8 @@ def main(argv=None) -> int:
     rows = []
     for name in args.optimizers.split(","):
         rows.append(measure(name, args.shapes, args.dtype, args.gap))
-        print(json.dumps(rows[-1]), flush=True)  # each as measured (a long run cut short keeps them)
-    head = (f"First step in a new process on {torch.cuda.get_device_name()}, {args.shapes}, {args.dtype} params, "
-            f"torch {torch.__version__}; seconds (construction apart), Python bytecode cached. Command: "
-            f"`python -m benchmarks.cold_start --optimizers {args.optimizers} --shapes {args.shapes} "
-            f"--dtype {args.dtype} --gap {args.gap:g}`")  # fmt: skip
-    later = f"first step {args.gap:g} s after build"
-    lines = [head, "", f"| optimizer | build, empty caches | first step, empty caches | {later}, empty caches | "
-             f"build, warm caches | first step, warm caches | {later}, warm caches | steady step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in rows:
-        cells = [f"{r[k]:.3f}" for k in ("build_cold_s", "first_step_cold_s", "first_step_cold_later_s",
-                                         "build_warm_s", "first_step_warm_s", "first_step_warm_later_s")]  # fmt: skip
-        lines.append(f"| {r['optimizer']} | {' | '.join(cells)} | {r['steady_step_s']:.4f} |")
-    write_report(args.out / "cold_start.md", lines)
+        print(json.dumps(rows[-1]), flush=True)
+        write_table(args, rows, torch.cuda.get_device_name(), torch.__version__)  # a run cut short keeps its rows
     return 0
 
 

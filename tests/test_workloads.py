@@ -88,6 +88,18 @@ def test_the_cold_start_table_has_a_column_for_each_run(monkeypatch, tmp_path, c
     assert table[4] == "| kernel_factory_adamw | 0.500 | 1.500 | 2.500 | 3.500 | 4.500 | 5.500 | 6.5000 |"
     assert table[4] in capsys.readouterr().out
 
+    def second_fails(name, shapes, dtype, gap):  # a run cut short keeps the rows measured before
+        if name != "kernel_factory_adamw":
+            raise RuntimeError("child failed")
+        return dict(optimizer=name, **{k: i + 0.5 for i, k in enumerate(keys)})
+
+    monkeypatch.setattr(cold_start, "measure", second_fails)
+    with pytest.raises(RuntimeError):
+        cold_start.main(["--optimizers", "kernel_factory_adamw,kernel_factory_muon", "--out", str(tmp_path / "d")])
+    table = (tmp_path / "d" / "cold_start.md").read_text().splitlines()
+    assert "(cut short after 1 of them)" in table[0] and table[4].startswith("| kernel_factory_adamw |")
+    assert len(table) == 5
+
 
 def test_a_muon_steps_floor_is_ns_over_the_hidden_matrices():
     # 48 attention matrices 768^2 and 36 MLP ones 768 x 2048: five iterations of X Xᵀ (s² L),
