@@ -115,6 +115,29 @@ def test_a_process_exits_after_its_running_compile_has_finished(tmp_path):
     assert done.read_text() == "1"
 
 
+def test_the_switch_interval_is_short_while_workers_run_and_put_back_after():
+    _settle(lambda: precompile._workers == 0 and precompile._saved_switch is None)
+    default = sys.getswitchinterval()
+    gate = threading.Event()
+    task = precompile._submit(lambda: (gate.wait(30), sys.getswitchinterval())[1])
+    assert sys.getswitchinterval() == pytest.approx(precompile.FAST_SWITCH_S)
+    gate.set()
+    assert task.result(timeout=30) == pytest.approx(precompile.FAST_SWITCH_S)
+    _settle(lambda: precompile._workers == 0 and precompile._saved_switch is None)
+    assert sys.getswitchinterval() == pytest.approx(default)
+    # a value the user set meanwhile is theirs to keep
+    gate = threading.Event()
+    task = precompile._submit(lambda: gate.wait(30))
+    try:
+        sys.setswitchinterval(0.002)
+        gate.set()
+        task.result(timeout=30)
+        _settle(lambda: precompile._workers == 0 and precompile._saved_switch is None)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(default)
+
+
 def test_nothing_is_compiled_ahead_on_the_cpu():
     p = torch.zeros(4)
     assert not precompile.enabled(p.device) and not precompile.worth_planning([p])

@@ -22,6 +22,14 @@ the GIL (Triton's Python front end holds it) from the variants the first step wa
 ``wait()`` on one whose compile has not started takes it off the queue, and the launch compiles
 it at once in the caller rather than after the queue.
 
+While any worker runs, the interpreter's switch interval (how long a thread that wants the GIL
+waits before the holder is asked to drop it; 5 ms by default) is lowered to FAST_SWITCH_S and put
+back by the last worker to finish. Triton's hash reads its 500 MB library in 1 MB chunks, and each
+chunk hands the GIL back: with the main thread busy in Python, as it is building the model and the
+optimizer, every chunk waited up to 5 ms for it. Measured on a 2-core CPU (triton_key() on a
+thread while the main thread imports what torch.optim's first use imports, ``docs/cold_start.md``):
+the hash done 2.0-2.3 s after it started at 5 ms, 1.1-1.25 s at 0.5 ms, the imports no slower.
+
 At interpreter exit the queued compiles are dropped and the running ones waited for: a daemon
 thread still inside Triton's C++ passes when the interpreter finalizes is ended by
 ``pthread_exit``, whose forced unwind through those frames aborts the process ("FATAL: exception
@@ -33,6 +41,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,10 +55,12 @@ from . import buckets  # (its triton_available: the one the kernels' paths consu
 from .dtensor import local
 
 MAX_THREADS = min(8, os.cpu_count() or 1)
+FAST_SWITCH_S = 0.0005  # the switch interval while workers run (see the module's docstring)
 _lock = threading.Lock()
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _later: queue.SimpleQueue = queue.SimpleQueue()  # started once _queue is empty and none of it runs
 _workers = 0
+_saved_switch: float | None = None  # the switch interval the first worker found, put back by the last
 _threads: list[threading.Thread] = []  # the workers started (the ended ones pruned at each start)
 _running = 0  # items of _queue running now
 _started = False  # Triton imported and its driver queued (the first _submit)
@@ -154,8 +165,11 @@ def _submit(fn: Callable[[], object], later: bool = False) -> Future:
 
 def _spawn_worker() -> None:
     """Start a worker if fewer than MAX_THREADS run (called holding _lock)."""
-    global _workers
+    global _workers, _saved_switch
     if _workers < MAX_THREADS:
+        if _workers == 0 and sys.getswitchinterval() > FAST_SWITCH_S:
+            _saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(FAST_SWITCH_S)
         _workers += 1
         _threads[:] = [t for t in _threads if t.is_alive()]
         _threads.append(threading.Thread(target=_work, name="kf-compile", daemon=True))
@@ -177,6 +191,8 @@ def _work() -> None:
                     future, fn = _later.get_nowait()
                 except queue.Empty:
                     _workers -= 1
+                    if not _workers:
+                        _restore_switch()
                     return
             _running += now
         if future.set_running_or_notify_cancel():
@@ -190,6 +206,15 @@ def _work() -> None:
                 if not _running and _queue.empty():  # this thread goes on to them; more join it
                     for _ in range(min(_later.qsize(), MAX_THREADS) - 1):
                         _spawn_worker()
+
+
+def _restore_switch() -> None:
+    """Put back the switch interval the first worker lowered, unless it was changed since (called
+    holding _lock by the last worker to finish)."""
+    global _saved_switch
+    if _saved_switch is not None and abs(sys.getswitchinterval() - FAST_SWITCH_S) < 1e-6:
+        sys.setswitchinterval(_saved_switch)
+    _saved_switch = None
 
 
 @atexit.register
