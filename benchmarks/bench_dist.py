@@ -332,8 +332,13 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profiled", type=int, default=3, help="iterations in the profiled window of exposed_comm_ms")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
+                    help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    if args.muon_stages < 1:
+        ap.error("--muon-stages must be at least 1")
+    ShardedMuonGroupPlan.stages = args.muon_stages
     rank, world, device, launcher = _init()
     heads = args.heads or args.dim // 64
     model_config = ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=heads,

@@ -210,3 +210,20 @@ def test_ns_config_keys_by_short_side_and_work(monkeypatch):
     assert [v["product"] for v, _ in asked] == ["gram", "poly", "update"] * 2
     # the same FLOP bucket (2^38), told apart by the side
     assert {(v["side"], ns.size_bucket(w)) for v, w in asked} == {(2048, 1 << 38), (1024, 1 << 38)}
+
+
+def test_sharded_batches_are_cut_into_stages_of_about_equal_ns_work():
+    from types import SimpleNamespace
+
+    from kernel_factory.optimizers.muon.distributed import split_in_stages
+
+    def batch(count, m, n):  # count matrices whose NS runs on m x n (m <= n)
+        return SimpleNamespace(params=[None] * count, x=torch.empty(0, m, n))
+
+    # Llama-2-7B's four layers: 16 of 4096², 8 of 4096 x 11008 (up, gate), 4 of 4096 x 11008 (down)
+    square, up, down = batch(16, 4096, 4096), batch(8, 4096, 11008), batch(4, 4096, 11008)
+    assert split_in_stages([square, up, down], 1) == [[square, up, down]]
+    assert split_in_stages([square, up, down], 2) == [[square], [up, down]]  # 1.1 : 2.2 beats 2.6 : 0.7
+    assert split_in_stages([square, up, down], 5) == [[square], [up], [down]]
+    assert split_in_stages([down, square], 2) == [[down], [square]]
+    assert split_in_stages([], 2) == []

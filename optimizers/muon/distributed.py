@@ -28,6 +28,7 @@ keeps its own part of O; the same arithmetic again, so the same bits as one proc
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import torch
@@ -106,9 +107,9 @@ class ShardedMuonBatch:
                                             [self.local_bufs[j] for j in self.order], self.tall, self._send,
                                             self._back)  # fmt: skip
 
-    def gather(self, h: MuonHyper) -> None:
-        """Steps 1-2: the momentum of this rank's rows, NS's bf16 input sent to the owners; the
-        owner's matrices into ``x`` and their norms (as torch's bf16 vector_norm, at least eps)."""
+    def send(self, h: MuonHyper) -> None:
+        """Step 1 and 2's start: the momentum of this rank's rows, NS's bf16 input sent to the
+        owners by an all-to-all left running (``receive`` waits for it)."""
         if self.kernels is not None:
             self.kernels.momentum(h.momentum, h.nesterov)
         elif self._send.numel():
@@ -117,8 +118,14 @@ class ShardedMuonBatch:
             updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
             rows = [updates[j].reshape(-1, self.cols) for j in self.order]
             torch._foreach_copy_(list(self._send.unbind(0)), [u.mT if self.tall else u for u in rows])
-        dist.all_to_all_single(self._got, self._send.view(-1), output_split_sizes=self._from_rank,
-                               input_split_sizes=self._to_owner, group=self.group)  # fmt: skip
+        self._work = dist.all_to_all_single(self._got, self._send.view(-1), output_split_sizes=self._from_rank,
+                                            input_split_sizes=self._to_owner, group=self.group,
+                                            async_op=True)  # fmt: skip
+
+    def receive(self, h: MuonHyper) -> None:
+        """Step 2's end: once the all-to-all is done (on CUDA the stream waits, not the host), the
+        owner's matrices into ``x`` and their norms (as torch's bf16 vector_norm, at least eps)."""
+        self._work.wait()
         # 3. the owner's matrices: rank s's pieces are rows (tall: columns) [a, b) of each
         if self.owned and self.tall:
             for s, a, b in self._spans:
@@ -131,9 +138,9 @@ class ShardedMuonBatch:
         """NS of this batch alone, on torch's ops (CPU; the CUDA batches run as one graph)."""
         return orthogonalize(self.x, h)
 
-    def scatter(self, h: MuonHyper, ortho: Tensor) -> None:
-        """Step 4: each rank's rows of O (the owner's ``ortho``, (owned, m, n)) back to it; weight
-        decay and the update on this rank's rows."""
+    def reply(self, h: MuonHyper, ortho: Tensor) -> None:
+        """Step 4's start: each rank's rows of O (the owner's ``ortho``, (owned, m, n)) sent back to
+        it by an all-to-all left running (``apply`` waits for it)."""
         if self.owned and self.tall:
             for s, a, b in self._spans:
                 self._reply_parts[s].copy_(ortho[:, :, a:b])
@@ -142,8 +149,13 @@ class ShardedMuonBatch:
                 owned = range(len(self.owned))
                 self._pack_from = (ortho.data_ptr(), [ortho[k, a:b] for _, a, b in self._spans for k in owned])
             torch._foreach_copy_(self._pieces, self._pack_from[1])
-        dist.all_to_all_single(self._back.view(-1), self._reply, output_split_sizes=self._to_owner,
-                               input_split_sizes=self._from_rank, group=self.group)  # fmt: skip
+        self._work = dist.all_to_all_single(self._back.view(-1), self._reply, output_split_sizes=self._to_owner,
+                                            input_split_sizes=self._from_rank, group=self.group,
+                                            async_op=True)  # fmt: skip
+
+    def apply(self, h: MuonHyper) -> None:
+        """Step 4's end: once this rank's rows of O are back, weight decay and the update on them."""
+        self._work.wait()
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
         decay = 1 - h.lr * h.weight_decay
         if self.kernels is not None:
@@ -189,9 +201,9 @@ class GatheredMuonBatch:
         self.norm = torch.empty(len(params), dtype=torch.float32, device=self.device)
         self._amax = torch.zeros((), device=self.device)
 
-    def gather(self, h: MuonHyper) -> None:
+    def send(self, h: MuonHyper) -> None:
         """The momentum of this rank's part, then NS's bf16 input gathered whole into ``x`` and its
-        norms (as ``ShardedMuonBatch.gather``)."""
+        norms (as ``ShardedMuonBatch``; the gathers wait here)."""
         grads = checked_grads(self.params)
         torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
         updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
@@ -202,10 +214,16 @@ class GatheredMuonBatch:
             self.x[i].copy_(full.mT if self.tall else full)
         self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=h.eps_bf16))
 
+    def receive(self, h: MuonHyper) -> None:
+        """Nothing: ``send`` waited for its gathers."""
+
     def orthogonalize(self, h: MuonHyper) -> Tensor:
         return orthogonalize(self.x, h)
 
-    def scatter(self, h: MuonHyper, ortho: Tensor) -> None:
+    def apply(self, h: MuonHyper) -> None:
+        """Nothing: ``reply`` applied the update."""
+
+    def reply(self, h: MuonHyper, ortho: Tensor) -> None:
         """Weight decay and the update on this rank's part of each matrix, cut from the whole O."""
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
         full = (ortho.mT if self.tall else ortho).reshape(len(self.params), *self.params[0].shape)
@@ -221,13 +239,20 @@ class GatheredMuonBatch:
 
 class ShardedMuonGroupPlan:
     """The sharded batches of one Muon group's DTensor params with grads; on CUDA the owners' NS
-    iterations of all batches of a device run together, as one process's do (``plan.JointNS``).
+    iterations of the batches of a device run together, as one process's do (``plan.JointNS``).
+
+    The batches are split in up to ``stages`` runs of NS of about equal work, in order, so that
+    the all-to-alls of one stage move while another's NS runs: every batch's all-to-all to the
+    owners starts at once, stage k's NS waits only for its own, and its replies start before
+    stage k + 1's NS (on CUDA the collectives run on NCCL's stream; the compute stream waits for
+    a collective only where its result is read). ``stages = 1``: one NS run for all, as before.
 
     ``owner_scheme = False`` (on the class) puts row-split batches on the gathered scheme too:
     every rank gathers and orthogonalizes every matrix (the same bits; benchmarks/bench_dist.py's
     baseline for the owner scheme's traffic and NS work)."""
 
     owner_scheme = True
+    stages = 2
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
         self.key = key
@@ -243,31 +268,62 @@ class ShardedMuonGroupPlan:
         self.batches = [ShardedMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps], mode) if key[3][0] == "rows"
                         else GatheredMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps])
                         for key, ps in batches.items()]  # fmt: skip
-        joint: dict[torch.device, list] = {}
-        for b in self.batches:
-            if b.owned and ns_on_triton(b.x):
-                joint.setdefault(b.device, []).append(b)
-        self.joint = [JointNS(bs) for bs in joint.values()]
+        self.staged = []  # (batches, their JointNS runs) per stage
+        for stage in split_in_stages(self.batches, self.stages):
+            joint: dict[torch.device, list] = {}
+            for b in stage:
+                if b.owned and ns_on_triton(b.x):
+                    joint.setdefault(b.device, []).append(b)
+            self.staged.append((stage, [JointNS(bs) for bs in joint.values()]))
+
+    @property
+    def joint(self) -> list[JointNS]:
+        """Every stage's joint NS runs."""
+        return [ns for _, runs in self.staged for ns in runs]
 
     def run(self, group: dict) -> None:
         h = MuonHyper(group)
+        for batch in self.batches:  # every all-to-all to the owners starts now, in the same order on every rank
+            with _on(batch.device):
+                batch.send(h)
+        for stage, runs in self.staged:
+            for batch in stage:
+                with _on(batch.device):
+                    batch.receive(h)
+            orthos = {}
+            for ns in runs:
+                with torch.cuda.device(ns.batches[0].device):
+                    orthos.update(zip(map(id, ns.batches), ns(h.schedule)[0], strict=True))
+            for batch in stage:  # the replies move while the next stage's NS runs
+                ortho = orthos.get(id(batch))
+                with _on(batch.device):
+                    batch.reply(h, batch.orthogonalize(h) if ortho is None else ortho)
         for batch in self.batches:
             with _on(batch.device):
-                batch.gather(h)
-        orthos = {}
-        for ns in self.joint:
-            with torch.cuda.device(ns.batches[0].device):
-                orthos.update(zip(map(id, ns.batches), ns(h.schedule)[0], strict=True))
-        for batch in self.batches:
-            ortho = orthos.get(id(batch))
-            with _on(batch.device):
-                batch.scatter(h, batch.orthogonalize(h) if ortho is None else ortho)
+                batch.apply(h)
 
     def update_amax(self) -> Tensor:
         if not self.batches:
             return torch.zeros(())
         device = self.batches[0].device
         return torch.stack([b.update_amax().to(device) for b in self.batches]).max()
+
+
+def split_in_stages(batches: list, stages: int) -> list[list]:
+    """``batches`` in order, cut into at most ``stages`` non-empty consecutive runs, each cut where
+    the work before it comes nearest to its share of the whole. Work: matrices x m² n for NS on
+    m x n, m <= n (its products' FLOPs up to a constant), counted over all ranks' matrices so that
+    every rank cuts at the same batches. A batch is never split."""
+    prefix = [0]
+    for b in batches:
+        prefix.append(prefix[-1] + len(b.params) * b.x.shape[-2] ** 2 * b.x.shape[-1])
+    cuts = [0]
+    for k in range(1, min(stages, len(batches))):
+        target = prefix[-1] * k / stages
+        last = len(batches) - (min(stages, len(batches)) - k)  # leave a batch for each later stage
+        cuts.append(min(range(cuts[-1] + 1, last + 1), key=lambda i: abs(prefix[i] - target)))
+    cuts.append(len(batches))
+    return [batches[i:j] for i, j in itertools.pairwise(cuts) if j > i]
 
 
 def _on(device: torch.device):
