@@ -101,6 +101,7 @@ class ShardedMuonBatch:
         self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O, its pieces' views)
         self.norm = torch.empty(owned, dtype=torch.float32, device=self.device)
         self._amax = torch.zeros((), device=self.device)
+        self._work = None  # the all-to-all in flight (send -> receive, reply -> apply)
         self.kernels = None
         if here and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
             self.kernels = LocalRowsKernels([params[j] for j in self.order], [self.local_params[j] for j in self.order],
