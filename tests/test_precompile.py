@@ -4,6 +4,7 @@ CPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -136,6 +137,23 @@ def test_the_switch_interval_is_short_while_workers_run_and_put_back_after():
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(default)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_a_child_forked_while_a_worker_runs_starts_with_a_pool_of_its_own():
+    _settle(lambda: precompile._workers == 0 and precompile._saved_switch is None)
+    default = sys.getswitchinterval()
+    gate = threading.Event()
+    running = precompile._submit(lambda: gate.wait(30))
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's worker is not here; its own submissions run
+        ok = (sys.getswitchinterval() == pytest.approx(default) and precompile._workers == 0
+              and precompile._submit(lambda: 7).result(timeout=30) == 7)  # fmt: skip
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    gate.set()
+    running.result(timeout=30)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_nothing_is_compiled_ahead_on_the_cpu():

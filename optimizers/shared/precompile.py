@@ -237,6 +237,24 @@ def _drain_at_exit(timeout: float = 120.0) -> None:
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader's worker, say) has none of the parent's workers: it starts with
+    an empty pool (the counts and queues copied from the parent would make it wait for threads that
+    do not exist) and the parent's switch interval from before the workers lowered it."""
+    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads
+    _lock = threading.Lock()
+    _queue, _later = queue.SimpleQueue(), queue.SimpleQueue()
+    _workers = _running = 0
+    _threads = []
+    if _saved_switch is not None:
+        sys.setswitchinterval(_saved_switch)
+        _saved_switch = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _import_triton() -> None:
     """Import, in the calling thread, the Triton modules the workers use: a package imported by a
     worker while the caller imports it too can be seen half-initialised by the caller (found with
