@@ -266,7 +266,7 @@ def profiled_exposed_ms(iteration, forward, count: int) -> float:
     first forward finds the gathers from before the window already done: the window holds
     ``count`` steps' gathers and ``count`` forwards waiting for them).
 
-    Starting the profiler takes each rank a different time (CUPTI's setup, the longest in a
+    Starting the profiler can take each rank a different time (CUPTI's setup, the longest in a
     process's first window), so a barrier before it does not line the ranks up: the window's first
     collective would count the wait for the slowest peer. A marker all-reduce and a synchronize
     inside the window line them up, and only the kernels after the marker are counted
