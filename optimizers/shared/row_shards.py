@@ -57,7 +57,7 @@ class RowShard:
 
     def scatter_rows(self, full: Tensor, segments: Tensor) -> None:
         """Write ``full`` ([R, ...]) into its slots of ``segments`` ([world, n]), padding rows zeroed."""
-        slots, full = self.slots(segments), full if full.is_contiguous() else full.contiguous()
+        slots, full = self.slots(segments), full.contiguous()
         if self.even:
             slots.copy_(full.view(self.world, self.per_rank, self.row_numel))
             return
