@@ -106,6 +106,7 @@ def zero_gathers_in_forward(rank: int, world: int, device: str = "cpu") -> None:
     opts = (DistributedAdamW(eager.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER),
             DistributedAdamW(deferred.parameters(), bucket_cap_mb=TINY_BUCKETS, gather_in_forward=[*deferred, deferred],
                              **HYPER))  # fmt: skip
+
     def in_flight() -> None:
         assert not opts[0]._grads.pending and len(opts[1]._grads.pending) == len(opts[1]._grads.buckets)
 
