@@ -17,7 +17,8 @@ Per configuration: ``iter_ms`` (forward + backward + step, median of the timed i
 for ``shard+``),
 ``step_ms`` (``opt.step()`` alone, with its all-gather for ZeRO-2), ``exposed_comm_ms`` (time the
 GPU spent in communication kernels while no compute kernel ran, from the profiler's kernel
-intervals of ``--profiled`` back-to-back iterations and one more forward, per iteration),
+intervals of ``--profiled`` back-to-back iterations and one more forward, per iteration, averaged
+over the ranks, the median of ``--windows`` such windows),
 ``peak_gib`` (``max_memory_allocated`` over the timed iterations) and
 ``state_gib`` (this rank's optimizer state). At one rank the collectives are copies: the figures
 show the layer's overhead, not its scaling; the multi-GPU figures need several GPUs.
@@ -252,11 +253,39 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
         steps.append(mid.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     return dict(config=config, world=world, iter_ms=statistics.median(iters), step_ms=statistics.median(steps),
-                exposed_comm_ms=profiled_exposed_ms(iteration, forward, args.profiled), peak_gib=peak,
+                exposed_comm_ms=profiled_exposed_ms(iteration, forward, args.profiled, args.windows), peak_gib=peak,
                 state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
 
 
-def profiled_exposed_ms(iteration, forward, count: int) -> float:
+def profiled_exposed_ms(iteration, forward, count: int, windows: int = 3) -> float:
+    """``exposed_ms`` per iteration, averaged over the ranks, the median over ``windows`` profiled
+    windows (``window_exposed_ms`` each).
+
+    One window of one rank swung by several times between runs of the same configuration (DDP
+    0.6 to 9.3 ms an iteration on the 1072M slice): a rank's wait inside a collective for the
+    slowest peer counts as exposed, and host jitter moves those waits from window to window and
+    rank to rank. The mean over ranks weighs every rank's view; the median over windows drops a
+    window that caught one stall."""
+    per_window = [window_exposed_ms(iteration, forward, count) for _ in range(windows)]
+    return median_of_rank_means(gathered(per_window))
+
+
+def gathered(values: list[float]) -> list[list[float]]:
+    """``values`` of every rank (rank-major), by an all-gather; just ``[values]`` without a group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [values]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, values)
+    return out
+
+
+def median_of_rank_means(per_rank: list[list[float]]) -> float:
+    """``per_rank[r][w]``: rank r's figure of window w; the median over windows of the ranks' mean."""
+    means = [sum(column) / len(column) for column in zip(*per_rank, strict=True)]
+    return statistics.median(means)
+
+
+def window_exposed_ms(iteration, forward, count: int) -> float:
     """``exposed_ms`` per iteration over one profiled window of ``count`` back-to-back iterations
     closed by one more ``forward`` (no backward), the ranks lined up inside the profiler first.
 
@@ -330,7 +359,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--profiled", type=int, default=3, help="iterations in the profiled window of exposed_comm_ms")
+    ap.add_argument("--profiled", type=int, default=3, help="iterations in each profiled window of exposed_comm_ms")
+    ap.add_argument("--windows", type=int, default=3, help="profiled windows (exposed_comm_ms: their median)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
@@ -338,6 +368,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.muon_stages < 1:
         ap.error("--muon-stages must be at least 1")
+    if args.profiled < 1 or args.windows < 1:
+        ap.error("--profiled and --windows must be at least 1")
     ShardedMuonGroupPlan.stages = args.muon_stages
     rank, world, device, launcher = _init()
     heads = args.heads or args.dim // 64

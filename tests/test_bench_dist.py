@@ -7,7 +7,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from benchmarks.bench_dist import after_marker, exposed_ms, shard_params
+from benchmarks.bench_dist import after_marker, exposed_ms, gathered, median_of_rank_means, shard_params
 from benchmarks.convergence.model import ModelConfig, TinyLlama
 from kernel_factory.optimizers.muon.optimizer import uses_muon
 
@@ -77,3 +77,15 @@ def test_exposed_communication_counts_only_what_follows_the_window_marker():
     assert exposed_ms(kernels) == pytest.approx((400.0 + 50.0 + 100.0) / 1e3)  # the wait, without the marker
     no_comm = [("gemm", 0.0, 10.0)]
     assert after_marker(no_comm) == no_comm
+
+
+def _gathers_every_ranks_windows(rank: int, world: int) -> None:
+    assert gathered([float(rank), 10.0 + rank]) == [[float(r), 10.0 + r] for r in range(world)]
+
+
+def test_the_exposed_figure_is_the_median_over_windows_of_the_ranks_mean():
+    run_ranks(2, _gathers_every_ranks_windows)
+    assert gathered([1.0, 2.0]) == [[1.0, 2.0]]  # no process group: this process's own
+    # 2 ranks x 3 windows: the ranks' means 2, 9 (a stall on rank 1) and 3; their median 3
+    assert median_of_rank_means([[1.0, 2.0, 2.0], [3.0, 16.0, 4.0]]) == pytest.approx(3.0)
+    assert median_of_rank_means([[5.0]]) == pytest.approx(5.0)
