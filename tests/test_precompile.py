@@ -116,6 +116,15 @@ def test_a_process_exits_after_its_running_compile_has_finished(tmp_path):
     assert done.read_text() == "1"
 
 
+def test_a_later_task_that_is_a_process_s_first_still_runs():
+    # the first task of a process queues Triton's hash and driver set-up ahead of it: a worker
+    # must start for those even when the task itself waits for the rest (``later``)
+    script = ("from kernel_factory.optimizers.shared import precompile\n"
+              "print(precompile._submit(lambda: 7, later=True).result(timeout=60))\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "7", out.stderr[-2000:]
+
+
 def test_the_switch_interval_is_short_while_workers_run_and_put_back_after():
     _settle(lambda: precompile._workers == 0 and precompile._saved_switch is None)
     default = sys.getswitchinterval()

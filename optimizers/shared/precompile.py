@@ -150,15 +150,16 @@ def _submit(fn: Callable[[], object], later: bool = False) -> Future:
     global _started, _hashing
     future: Future = Future()
     with _lock:
+        spawn = not later
         if not _started:  # Triton's once-per-process work first: its hash of itself, its driver
-            _started = True
+            _started = spawn = True  # (queued now: a worker must take them, even for a later task)
             _import_triton()
             if not _hashing:
                 _hashing = True
                 _queue.put((Future(), _triton_key))
             _queue.put((Future(), _triton_driver))
         (_later if later else _queue).put((future, fn))
-        if not later or (_queue.empty() and not _running):
+        if spawn or (_queue.empty() and not _running):
             _spawn_worker()
     return future
 
