@@ -221,9 +221,6 @@ class GatheredMuonBatch:
     def orthogonalize(self, h: MuonHyper) -> Tensor:
         return orthogonalize(self.x, h)
 
-    def apply(self, h: MuonHyper) -> None:
-        """Nothing: ``reply`` applied the update."""
-
     def reply(self, h: MuonHyper, ortho: Tensor) -> None:
         """Weight decay and the update on this rank's part of each matrix, cut from the whole O."""
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
@@ -232,6 +229,9 @@ class GatheredMuonBatch:
         torch._foreach_mul_(self.local_params, 1 - h.lr * h.weight_decay)
         torch._foreach_add_(self.local_params, mine, alpha=-step_lr)
         self._amax = torch.stack([o.abs().amax() for o in mine]).max().float() * step_lr
+
+    def apply(self, h: MuonHyper) -> None:
+        """Nothing: ``reply`` applied the update."""
 
     def update_amax(self) -> Tensor:
         """This rank's part's largest |adjusted lr · O| of the last step (0-d fp32)."""
