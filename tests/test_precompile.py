@@ -90,6 +90,10 @@ def test_waiting_for_a_later_compile_not_started_takes_it_off_the_queue():
 
 
 def test_exit_drops_queued_compiles_and_waits_for_the_running_one(monkeypatch):
+    # a process's first task queues Triton's set-up ahead of it: let that run first, so that the
+    # task counted as running below is this test's
+    precompile._submit(lambda: None).result(timeout=120)
+    _settle(lambda: precompile._workers == 0)
     monkeypatch.setattr(precompile, "MAX_THREADS", 1)  # the queued tasks find no idle worker
     gate, ran = threading.Event(), []
     running = precompile._submit(lambda: (gate.wait(30), ran.append("running")))
