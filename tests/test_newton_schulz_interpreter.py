@@ -140,20 +140,32 @@ def test_the_hopper_symmetric_walk_visits_each_upper_tile_once():
             assert [i // group for i, _ in got] == sorted(i // group for i, _ in got), (nt, group)
 
 
+class _RecordingKernel:
+    """A kernel stand-in: ``kernel[grid](one, two)`` records (one, two); a two-part launch raises
+    ``OutOfResources`` where ``too_big``."""
+
+    def __init__(self, calls: list, too_big: bool) -> None:
+        self.calls, self.too_big = calls, too_big
+
+    def __getitem__(self, grid):
+        def launch(one, two):
+            from triton.runtime.errors import OutOfResources
+
+            self.calls.append((one, two))
+            if two is not None and self.too_big:
+                raise OutOfResources(262144, 232448, "shared memory")
+
+        return launch
+
+
 def test_a_pair_that_does_not_fit_in_shared_memory_launches_its_batches_one_by_one():
     # The two-part kernel may need more shared memory than either part alone: such a config
     # warns once and from then on launches each part alone, without trying the pair again.
-    from triton.runtime.errors import OutOfResources
-
     from kernel_factory.optimizers.muon import newton_schulz_launch as nst
 
     calls = []
-
-    def launch(one, two):
-        calls.append((one, two))
-        if two is not None:
-            raise OutOfResources(262144, 232448, "shared memory")
-
+    kernel = _RecordingKernel(calls, too_big=True)
+    launch = lambda one, two: nst._issue(kernel, (1,), (one, two), {})  # noqa: E731
     config = dict(HOPPER, num_stages=5)
     with pytest.warns(RuntimeWarning, match="one by one"):
         nst._launch_pair("update", config, "a", "b", launch)
@@ -163,24 +175,82 @@ def test_a_pair_that_does_not_fit_in_shared_memory_launches_its_batches_one_by_o
     nst._UNPAIRED.clear()
 
 
+def test_a_pair_still_compiling_in_the_background_launches_its_parts_one_by_one(monkeypatch):
+    from kernel_factory.optimizers.muon import newton_schulz_launch as nst
+    from kernel_factory.optimizers.shared import precompile
+
+    calls = []
+    kernel = _RecordingKernel(calls, too_big=False)
+    launch = lambda one, two: nst._issue(kernel, (1,), (one, two), {})  # noqa: E731
+    asked = []
+    pending = True
+    monkeypatch.setattr(precompile, "ready", lambda k, args, kwargs: (asked.append(args), not pending)[1])
+    nst._launch_pair("sym", HOPPER, "a", "b", launch)
+    pending = False
+    nst._launch_pair("sym", HOPPER, "c", "d", launch)
+    assert asked == [("a", "b"), ("c", "d")]  # the pair's own launch is what is asked about
+    assert calls == [("a", None), ("b", None), ("c", "d")]
+
+
+def _issued(ns) -> bool:
+    """Whether a launch passing through ``ns._issue`` now runs (not recorded by ``_recorded``)."""
+    return getattr(ns._collecting, "launches", None) is None
+
+
+@pytest.mark.parametrize("shapes", [[(2, 64, 96), (3, 64, 96)], [(3, 130, 150), (1, 40, 72)]])
+def test_pairs_launched_one_by_one_give_the_same_bits(shapes, monkeypatch):
+    """The first steps' one-part launches and the later two-part ones compute every tile alike:
+    a process's results do not depend on when its background compiles finished."""
+    from kernel_factory.optimizers.muon import newton_schulz_launch as nst
+    from kernel_factory.optimizers.shared import precompile
+
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(*shape, generator=gen) for shape in shapes]
+    xs[1] = xs[1].mT.contiguous().mT  # a batch handed over as a transposed view
+    norms = [torch.linalg.vector_norm(x, dim=(-2, -1)) for x in xs]
+    schedule = coefficient_schedule(None, 2)
+    paired = joint_newton_schulz(xs, schedule, HOPPER, norms)
+    launched = []
+    real = nst._issue
+    monkeypatch.setattr(nst, "_issue", lambda k, grid, args, kwargs: (_issued(nst) and launched.append(
+        kwargs.get("TWO_PARTS")), real(k, grid, args, kwargs)))  # fmt: skip
+    monkeypatch.setattr(precompile, "ready", lambda *a: False)
+    one_by_one = joint_newton_schulz(xs, schedule, HOPPER, norms)
+    assert True not in launched and False in launched
+    for a, b in zip(paired, one_by_one, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("configs", [SMALL, HOPPER, MIXED[1]], ids=["classic", "hopper", "classic-torch-hopper"])
 def test_collected_launches_are_the_ones_a_run_issues(configs, monkeypatch):
     """precompile.py compiles what ``collect_launches`` finds (meta stand-ins, nothing run): the
     same kernels, grids, constexprs and argument kinds as a real joint run of two batches with
-    norms (two-part hopper launches, the scaled first iteration, a transposed batch)."""
+    norms (the scaled first iteration, a transposed batch) issues while its two-part hopper
+    kernels still compile (parts one by one), and, apart, the two-part launches of a later run."""
     from kernel_factory.optimizers.muon import newton_schulz_launch as ns
+    from kernel_factory.optimizers.shared import precompile
     from kernel_factory.optimizers.shared.precompile import _signature
 
     xs = [torch.randn(2, 64, 96), torch.randn(3, 96, 64).mT]
     norms = [torch.linalg.vector_norm(x, dim=(-2, -1)) for x in xs]
     schedule = coefficient_schedule(None, 2)
-    issued = []
     real = ns._issue
-    monkeypatch.setattr(ns, "_issue", lambda k, grid, args, kwargs: (issued.append((k, grid, args, kwargs)),
-                                                                        real(k, grid, args, kwargs)))  # fmt: skip
-    joint_newton_schulz(xs, schedule, configs, norms)
-    monkeypatch.setattr(ns, "_issue", real)
-    collected = ns.collect_launches(xs, schedule, norms, configs)
+
+    def issued_with(ready: bool) -> list[tuple]:
+        issued = []
+        monkeypatch.setattr(ns, "_issue", lambda k, grid, args, kwargs: (_issued(ns) and issued.append(
+            (k, grid, args, kwargs)), real(k, grid, args, kwargs)))  # fmt: skip
+        monkeypatch.setattr(precompile, "ready", lambda *a: ready)
+        joint_newton_schulz(xs, schedule, configs, norms)
+        monkeypatch.setattr(ns, "_issue", real)
+        return issued
+
+    first_steps, later = issued_with(False), issued_with(True)
+    collected, pairs = ns.collect_launches(xs, schedule, norms, configs)
     key = lambda launch: (launch[1], _signature(*(launch[i] for i in (0, 2, 3))))  # noqa: E731
-    assert issued and [key(la) for la in collected] == [key(la) for la in issued]
+    assert first_steps and [key(la) for la in collected] == [key(la) for la in first_steps]
+    two_part = [la for la in later if la[3].get("TWO_PARTS")]
+    assert [key(la) for la in pairs] == [key(la) for la in two_part]
+    assert bool(pairs) == (configs is not SMALL)  # hopper products launch in pairs
+    collected = collected + pairs
     assert all(t.is_meta for la in collected for t in la[2] if isinstance(t, torch.Tensor))

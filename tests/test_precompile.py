@@ -250,3 +250,24 @@ def test_the_import_starts_triton_hash_alone_and_only_where_the_kernels_run(monk
     precompile._submit(lambda: None).result(timeout=30)  # an optimizer's first compile
     _settle(lambda: "triton_driver" in calls)
     assert calls.count("triton_key") == 1 and calls.count("triton_driver") == 1
+
+
+def test_a_stand_in_variant_reads_ready_once_compiled_and_is_never_waited_for(monkeypatch):
+    """``warm_optional``: Muon's two-part kernels compile after the rest; until one has, ``ready``
+    says its launch must not be issued (the step takes the one-part launches), and afterwards the
+    registry empties, so later checks cost no signature."""
+    gate = threading.Event()
+    monkeypatch.setattr(precompile, "warm", lambda kernel, grid, args, kwargs, device, later=False:
+                        precompile.Warm(precompile._submit(gate.wait, later), later))  # fmt: skip
+    monkeypatch.setattr(precompile, "_optional", {})
+    kernel, x = object(), torch.empty(64)
+    pair = (kernel, (4,), (x, 96), {"TWO_PARTS": True})
+    warms = precompile.warm_optional([pair, pair], torch.device("cpu"))
+    assert len(warms) == 1  # one compile per variant
+    assert not precompile.ready(kernel, (x, 96), {"TWO_PARTS": True}) and precompile.optional_pending()
+    assert precompile.ready(kernel, (x, 96), {"TWO_PARTS": False})  # a variant never queued as a stand-in
+    gate.set()
+    warms[0]._future.result(timeout=60)
+    assert precompile.ready(kernel, (x, 96), {"TWO_PARTS": True}) and not precompile.optional_pending()
+    assert precompile._optional == {}
+    _settle(lambda: precompile._workers == 0)

@@ -12,6 +12,8 @@ from torch import Tensor
 
 from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, interpreter_enabled, load, select, size_bucket
 
+from ..shared import precompile
+
 TRITON_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 # Collecting (``collect_launches``): the launches are recorded instead of issued, on meta-device
@@ -33,17 +35,19 @@ def _device(x: Tensor) -> torch.device:
 
 
 def collect_launches(xs: list[Tensor], schedule: list[tuple[float, float, float]], norms: list[Tensor] | None,
-                     config: Mapping | None = None) -> list[tuple]:  # fmt: skip
-    """(kernel, grid, args, kwargs) of the Triton launches ``joint_newton_schulz(xs, schedule,
-    config, norms)`` issues, found without running anything or allocating its workspace (for
-    precompile.py: the tensors in them are meta-device stand-ins)."""
+                     config: Mapping | None = None) -> tuple[list[tuple], list[tuple]]:  # fmt: skip
+    """The Triton launches ``joint_newton_schulz(xs, schedule, config, norms)`` issues, found without
+    running anything or allocating its workspace (for precompile.py: the tensors in them are
+    meta-device stand-ins), each (kernel, grid, args, kwargs): (the launches with every pair of
+    hopper parts launched one by one, as a process's first steps issue them; the two-part launches
+    that later steps take in their place, ``_launch_pair``)."""
     meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
-    _collecting.launches, _collecting.device = [], xs[0].device
+    _collecting.launches, _collecting.paired, _collecting.device = [], [], xs[0].device
     try:
         joint_newton_schulz([meta(x) for x in xs], schedule, config, None if norms is None else list(map(meta, norms)))
-        return _collecting.launches
+        return _collecting.launches, _collecting.paired
     finally:
-        _collecting.launches = None
+        _collecting.launches = _collecting.paired = None
 
 
 def iteration_flops(batch: int, m: int, n: int) -> int:
@@ -168,22 +172,44 @@ _UNPAIRED: set[tuple] = set()  # (kernel, config) whose two-part build exceeded 
 
 
 def _launch_pair(kernel: str, config: Mapping, first: tuple, second: tuple | None, launch: Callable) -> None:
-    """``launch(first, second)``, or where the two-part kernel of this config does not fit in
-    shared memory (its second tile loop may need buffers of its own), one launch per part."""
+    """``launch(first, second)``: one two-part launch, or one launch per part where the two-part
+    kernel of this config does not fit in shared memory (its second tile loop may need buffers of
+    its own) or is still compiling in the background (``precompile.ready``): a process's first
+    steps take the one-part variants, which compute each tile as the two-part one does and compile
+    in half the time. Collecting, both: the parts' launches as the first steps issue them, the
+    pair's in ``_collecting.paired`` (queued for compiles after the rest)."""
     key = (kernel, tuple(sorted(config.items())))
     if second is not None and key not in _UNPAIRED:
         from triton.runtime.errors import OutOfResources
 
-        try:
-            launch(first, second)
-            return
-        except OutOfResources:
-            _UNPAIRED.add(key)
-            warnings.warn(f"kernel_factory: the two-batch {kernel} kernel does not fit in shared memory with "
-                          f"{dict(config)}; its batches launch one by one", RuntimeWarning, stacklevel=3)  # fmt: skip
+        collected = getattr(_collecting, "launches", None)
+        pair = _recorded(lambda: launch(first, second))
+        if collected is not None:
+            _collecting.paired.append(pair)
+        elif precompile.ready(pair[0], pair[2], pair[3]):
+            try:
+                _issue(*pair)
+                return
+            except OutOfResources:
+                _UNPAIRED.add(key)
+                warnings.warn(f"kernel_factory: the two-batch {kernel} kernel does not fit in shared memory "
+                              f"with {dict(config)}; its batches launch one by one", RuntimeWarning,
+                              stacklevel=3)  # fmt: skip
     launch(first, None)
     if second is not None:
         launch(second, None)
+
+
+def _recorded(launch: Callable[[], None]) -> tuple:
+    """The (kernel, grid, args, kwargs) that ``launch()`` issues (exactly one), recorded, not run."""
+    outer = getattr(_collecting, "launches", None)
+    _collecting.launches = []
+    try:
+        launch()
+        (recorded,) = _collecting.launches
+        return recorded
+    finally:
+        _collecting.launches = outer
 
 
 def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | None, alpha: float, beta: float,

@@ -222,14 +222,17 @@ class TritonBatch(MuonBatch):
 class JointNS:
     """The NS iterations of one device's Triton batches, run together (``joint_newton_schulz``) on
     their static inputs (X and norm), through a CUDA graph replay (``GRAPH_NS``) where no capture
-    is under way, captured again when the coefficient schedule changes."""
+    is under way, captured again when the coefficient schedule changes and once the two-part
+    kernels compiling in the background are all ready (until then the graph holds one launch per
+    part: ``newton_schulz_launch._launch_pair``)."""
 
     def __init__(self, batches: list[TritonBatch]) -> None:
         self.batches = batches
-        self._graph: tuple[tuple, StaticGraph] | None = None  # (schedule, its graph)
+        self._graph: tuple[tuple, StaticGraph] | None = None  # ((schedule, pairs pending), its graph)
 
-    def ahead_launches(self, schedule: list[tuple[float, float, float]]) -> list[tuple]:
-        """The iterations' launches (nothing run), for precompile.py."""
+    def ahead_launches(self, schedule: list[tuple[float, float, float]]) -> tuple[list[tuple], list[tuple]]:
+        """The iterations' launches (nothing run), for precompile.py: (those of the first steps,
+        the two-part ones that later steps take in their place)."""
         return collect_launches([b.x for b in self.batches], schedule, [b.norm for b in self.batches])
 
     def __call__(self, schedule: list[tuple[float, float, float]]) -> tuple[list[Tensor], bool]:
@@ -241,7 +244,7 @@ class JointNS:
             return run(), True
         if not GRAPH_NS:
             return run(), False
-        key = tuple(schedule)
+        key = (tuple(schedule), precompile.optional_pending())
         if self._graph is None or self._graph[0] != key:
             self._graph = (key, StaticGraph(self.batches[0].device, run))
         return self._graph[1].replay(), True
@@ -310,8 +313,10 @@ class MuonGroupPlan:
         for ns in self.joint:
             device = ns.batches[0].device
             if precompile.enabled(device):
-                launches = [la for b in ns.batches for la in b.ahead_launches(h)] + ns.ahead_launches(h.schedule)
+                first_steps, pairs = ns.ahead_launches(h.schedule)
+                launches = [la for b in ns.batches for la in b.ahead_launches(h)] + first_steps
                 self._warm += precompile.warm_launches(launches, device)
+                precompile.warm_optional(pairs, device)  # not waited for: ready when ready
 
     def run(self, group: dict) -> None:
         precompile.wait_all(self._warm)

@@ -242,8 +242,9 @@ def _after_fork_in_child() -> None:
     """A forked child (a DataLoader's worker, say) has none of the parent's workers: it starts with
     an empty pool (the counts and queues copied from the parent would make it wait for threads that
     do not exist) and the parent's switch interval from before the workers lowered it."""
-    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads
+    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads, _optional
     _lock = threading.Lock()
+    _optional = {}  # the parent's compiles: none of them runs here
     _queue, _later = queue.SimpleQueue(), queue.SimpleQueue()
     _workers = _running = 0
     _threads = []
@@ -289,6 +290,10 @@ class Warm:
 
     def __init__(self, future: Future | None, later: bool = False) -> None:
         self._future, self._later = future, later
+
+    def done(self) -> bool:
+        """Whether the compile has ended (or was never queued): a launch now finds it loaded."""
+        return self._future is None or self._future.done()
 
     def wait(self) -> None:
         """Block until the compile finished (or failed: the launch then compiles and reports); a
@@ -339,16 +344,55 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
     return (id(kernel), tuple(map(kind, args)), tuple(sorted(kwargs.items())))
 
 
+def _distinct(launches: list[tuple]) -> list[tuple]:
+    """The first of ``launches`` of each signature, in order."""
+    seen, out = set(), []
+    for launch in launches:
+        key = _signature(launch[0], launch[2], launch[3])
+        if key not in seen:
+            seen.add(key)
+            out.append(launch)
+    return out
+
+
 def warm_launches(launches: list[tuple], device: torch.device, later: bool = False) -> list[Warm]:
     """``warm`` each distinct variant of ``launches`` ((kernel, grid, args, kwargs) as the step will
     issue them, placeholders allowed as in ``warm``) on ``device``."""
-    seen, out = set(), []
-    for kernel, grid, args, kwargs in launches:
-        key = _signature(kernel, args, kwargs)
-        if key not in seen:
-            seen.add(key)
-            out.append(warm(kernel, grid, args, kwargs, device, later))
-    return out
+    return [warm(kernel, grid, args, kwargs, device, later) for kernel, grid, args, kwargs in _distinct(launches)]
+
+
+# Variants a step may launch in place of others once compiled (``warm_optional``), by signature.
+_optional: dict[tuple, Warm] = {}
+
+
+def warm_optional(launches: list[tuple], device: torch.device) -> list[Warm]:
+    """``warm_launches(launches, device, later=True)`` for variants that stand in for others once
+    compiled: a step launches one only when ``ready`` says so and never waits for it (Muon's
+    two-part Newton–Schulz kernels, whose one-part variants give the same bits and compile in half
+    the time)."""
+    warms = warm_launches(launches, device, later=True)
+    for (kernel, _, args, kwargs), w in zip(_distinct(launches), warms, strict=True):
+        _optional[_signature(kernel, args, kwargs)] = w
+    return warms
+
+
+def ready(kernel, args: tuple, kwargs: dict) -> bool:
+    """False while a ``warm_optional`` variant with this launch's signature still compiles (or waits
+    to): launching it now would compile it in the caller. True otherwise."""
+    if not _optional:  # the common case once they have compiled: no signature to form
+        return True
+    key = _signature(kernel, args, kwargs)
+    w = _optional.get(key)
+    if w is not None and w.done():
+        del _optional[key]
+    return w is None or w.done()
+
+
+def optional_pending() -> bool:
+    """Whether any ``warm_optional`` variant still compiles or waits to."""
+    for key in [k for k, w in _optional.items() if w.done()]:
+        del _optional[key]
+    return bool(_optional)
 
 
 def wait_all(warms: list[Warm]) -> None:
