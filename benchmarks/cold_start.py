@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,7 @@ def _child(name: str, shapes: str, dtype: str, gap: float) -> None:
         torch.cuda.synchronize()
         later.append(time.perf_counter() - t)
     print(json.dumps({"build_s": t1 - t0 - gap, "first_step_s": t2 - t1, "second_step_s": t3 - t2,
-                      "steady_step_s": sorted(later)[2]}))
+                      "steady_step_s": statistics.median(later)}))
 
 
 def _run(name: str, shapes: str, dtype: str, caches: Path, gap: float = 0.0) -> dict:
