@@ -214,6 +214,8 @@ TURBO_ADAM = KernelFamily(
         # registers per thread the update launch may use (0: the compiler's choice, 96 to 255 for
         # this tile, and few warps per SM)
         Tunable("maxnreg", 64, (0, 64, 96, 128)),
+        # 1: a tile loads the next tile's p, g and codes before its own stores (more registers live)
+        Tunable("PREFETCH", 0, (0, 1)),
     ),
     is_legal=_turbo_adam_is_legal,
 )

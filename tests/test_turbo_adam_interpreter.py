@@ -110,12 +110,35 @@ def test_grad_scale_in_the_kernel_and_an_inf_skips_the_step(monkeypatch):
     assert opt.telemetry.summary()["skipped_steps"] == 1
 
 
+@pytest.mark.parametrize("cols", [300, 512])
+def test_prefetching_the_next_tile_gives_the_same_bits(monkeypatch, cols):
+    """PREFETCH moves the next tile's loads ahead of this tile's stores, nothing else: the same
+    params and states to the bit after two steps, with tiles that wrap to the next row of an item and
+    past its last (300 columns: a partial last tile; 512: whole ones)."""
+    monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
+    results = []
+    for prefetch in (0, 1):
+        w = torch.nn.Parameter(torch.randn(24, cols, generator=torch.Generator().manual_seed(3)))
+        opt = TurboAdam([w], lr=1e-2)
+        w.grad = torch.randn(24, cols, generator=torch.Generator().manual_seed(4))
+        opt.step()
+        opt._plans[0].launches[0].configure(dict(ROWS=4, G=2, SPAN=2, BAND=16, num_warps=1, maxnreg=0,
+                                                 PREFETCH=prefetch))  # fmt: skip
+        for step in range(2):
+            w.grad = torch.randn(24, cols, generator=torch.Generator().manual_seed(5 + step))
+            opt.step()
+        results.append((w.detach().clone(), {k: t.clone() for k, t in opt.state[w].items()}))
+    (p0, s0), (p1, s1) = results
+    assert torch.equal(p0, p1)
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+
+
 def test_configs_give_the_same_result(monkeypatch):
     """Tile shape, tiles per program and stats bands change the work split, not the arithmetic
     (but for the order of the column sums over bands)."""
     results = []
-    configs = (dict(ROWS=1, G=2, SPAN=1, BAND=16, num_warps=1, maxnreg=0),
-               dict(ROWS=4, G=4, SPAN=2, BAND=64, num_warps=2, maxnreg=0))
+    configs = (dict(ROWS=1, G=2, SPAN=1, BAND=16, num_warps=1, maxnreg=0, PREFETCH=0),
+               dict(ROWS=4, G=4, SPAN=2, BAND=64, num_warps=2, maxnreg=0, PREFETCH=1))
     for config in configs:
         monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
         w = torch.nn.Parameter(torch.randn(40, 300, generator=torch.Generator().manual_seed(3)))

@@ -268,8 +268,8 @@ class TurboLaunch:
         cfg = self.config
         flags = dict(ALIGNED=self.aligned, INT64=self.int64)
         stats_cfg = dict(RT=self.stats_rows, TC=STATS_COLS, NBT=STATS_BAND_TILE, num_warps=STATS_WARPS, **flags)
-        upd_cfg = dict(G=cfg["G"], MB=self.layout.block, FULL=self.full, ROWS=cfg["ROWS"], num_warps=cfg["num_warps"],
-                       **flags)  # fmt: skip
+        upd_cfg = dict(G=cfg["G"], MB=self.layout.block, FULL=self.full, ROWS=cfg["ROWS"], PREFETCH=cfg["PREFETCH"],
+                       num_warps=cfg["num_warps"], **flags)  # fmt: skip
         if cfg["maxnreg"] and self.multi_tensor:  # a CUDA launch option (the interpreter has none)
             upd_cfg["maxnreg"] = cfg["maxnreg"]
         return stats_cfg, upd_cfg
