@@ -246,9 +246,9 @@ def _after_fork_in_child() -> None:
     """A forked child (a DataLoader's worker, say) has none of the parent's workers: it starts with
     an empty pool (the counts and queues copied from the parent would make it wait for threads that
     do not exist) and the parent's switch interval from before the workers lowered it."""
-    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads, _optional
+    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads, _optional, _timeline
     _lock = threading.Lock()
-    _optional = {}  # the parent's compiles: none of them runs here
+    _optional, _timeline = {}, []  # the parent's compiles: none of them runs here
     _queue, _later = queue.SimpleQueue(), queue.SimpleQueue()
     _workers = _running = 0
     _threads = []
