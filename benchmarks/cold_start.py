@@ -38,13 +38,14 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cold_start"
 
 
 def _child(name: str, shapes: str, dtype: str, gap: float) -> None:
-    """Build ``name`` on ``shapes``, wait ``gap`` seconds, time its construction, its first two steps
-    and the median of five more; print JSON, with the background compiles' (variant, start, end) in
+    """Build ``name`` on ``shapes``, wait ``gap`` seconds, time its construction, its first step and
+    the median of steps 3 to 7; print JSON, with the background compiles' (variant, start, end) in
     seconds from the call to the first step."""
     import torch
 
     from benchmarks.bench import DTYPES, LR, SHAPES_OF, WD, named_params
     from benchmarks.registry import REGISTRY
+    from kernel_factory.optimizers.shared import precompile
     from kernel_factory.optimizers.shared.workloads import SHAPE_SETS
 
     named = named_params(SHAPE_SETS[shapes], DTYPES[dtype])
@@ -54,23 +55,15 @@ def _child(name: str, shapes: str, dtype: str, gap: float) -> None:
     torch.cuda.synchronize()
     time.sleep(gap)
     t1 = time.perf_counter()
-    opt.step()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    opt.step()
-    torch.cuda.synchronize()
-    t3 = time.perf_counter()
-    later = []
-    for _ in range(5):
+    steps = []
+    for _ in range(7):
         t = time.perf_counter()
         opt.step()
         torch.cuda.synchronize()
-        later.append(time.perf_counter() - t)
-    from kernel_factory.optimizers.shared import precompile
-
+        steps.append(time.perf_counter() - t)
     compiles = [(label, start - t1, end - t1) for label, start, end in precompile.timeline()]
-    print(json.dumps({"build_s": t1 - t0 - gap, "first_step_s": t2 - t1, "second_step_s": t3 - t2,
-                      "steady_step_s": statistics.median(later), "compiles": compiles}))
+    print(json.dumps({"build_s": t1 - t0 - gap, "first_step_s": steps[0], "steady_step_s": statistics.median(steps[2:]),
+                      "compiles": compiles}))
 
 
 def _run(name: str, shapes: str, dtype: str, caches: Path, gap: float = 0.0) -> dict:
