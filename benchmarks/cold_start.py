@@ -13,7 +13,8 @@ folders, one on new empty ones. Times are wall-clock seconds on the host, from t
 ``step()`` until the GPU has finished it (imports, parameter creation and the optimizer's
 construction are reported apart). The steady step is the median of five steps after the first two
 (Muon's second may capture its Newton–Schulz CUDA graph again, once the two-part kernels compiling
-in the background are ready: ``kernel_factory/optimizers/muon/plan.py``). Python's
+in the background are ready: ``kernel_factory/optimizers/muon/plan.py``). ``first_step_compiles.md``
+lists the longest background compiles of each process on empty caches and when they ran. Python's
 bytecode is cached for all of them, as in an installed environment (``PYTHONPYCACHEPREFIX``, filled
 by one unreported process per optimizer).
 """
@@ -37,12 +38,14 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cold_start"
 
 
 def _child(name: str, shapes: str, dtype: str, gap: float) -> None:
-    """Build ``name`` on ``shapes``, wait ``gap`` seconds, time its construction, its first two steps
-    and the median of five more; print JSON."""
+    """Build ``name`` on ``shapes``, wait ``gap`` seconds, time its construction, its first step and
+    the median of steps 3 to 7; print JSON, with the background compiles' (variant, start, end) in
+    seconds from the call to the first step."""
     import torch
 
     from benchmarks.bench import DTYPES, LR, SHAPES_OF, WD, named_params
     from benchmarks.registry import REGISTRY
+    from kernel_factory.optimizers.shared import precompile
     from kernel_factory.optimizers.shared.workloads import SHAPE_SETS
 
     named = named_params(SHAPE_SETS[shapes], DTYPES[dtype])
@@ -52,20 +55,15 @@ def _child(name: str, shapes: str, dtype: str, gap: float) -> None:
     torch.cuda.synchronize()
     time.sleep(gap)
     t1 = time.perf_counter()
-    opt.step()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    opt.step()
-    torch.cuda.synchronize()
-    t3 = time.perf_counter()
-    later = []
-    for _ in range(5):
+    steps = []
+    for _ in range(7):
         t = time.perf_counter()
         opt.step()
         torch.cuda.synchronize()
-        later.append(time.perf_counter() - t)
-    print(json.dumps({"build_s": t1 - t0 - gap, "first_step_s": t2 - t1, "second_step_s": t3 - t2,
-                      "steady_step_s": statistics.median(later)}))
+        steps.append(time.perf_counter() - t)
+    compiles = [(label, start - t1, end - t1) for label, start, end in precompile.timeline()]
+    print(json.dumps({"build_s": t1 - t0 - gap, "first_step_s": steps[0], "steady_step_s": statistics.median(steps[2:]),
+                      "compiles": compiles}))
 
 
 def _run(name: str, shapes: str, dtype: str, caches: Path, gap: float = 0.0) -> dict:
@@ -99,7 +97,7 @@ def measure(name: str, shapes: str, dtype: str, gap: float) -> dict:
     return {"optimizer": name, "build_cold_s": cold["build_s"], "first_step_cold_s": cold["first_step_s"],
             "first_step_cold_later_s": later["first_step_s"], "build_warm_s": warm["build_s"],
             "first_step_warm_s": warm["first_step_s"], "first_step_warm_later_s": warm_later["first_step_s"],
-            "steady_step_s": warm["steady_step_s"]}  # fmt: skip
+            "steady_step_s": warm["steady_step_s"], "compiles_cold": cold["compiles"]}  # fmt: skip
 
 
 def write_table(args, rows: list[dict], device: str, torch_version: str) -> None:
@@ -120,6 +118,24 @@ def write_table(args, rows: list[dict], device: str, torch_version: str) -> None
                                          "build_warm_s", "first_step_warm_s", "first_step_warm_later_s")]  # fmt: skip
         lines.append(f"| {r['optimizer']} | {' | '.join(cells)} | {r['steady_step_s']:.4f} |")
     write_report(args.out / "cold_start.md", lines)
+    write_compiles(args, rows)
+
+
+def write_compiles(args, rows: list[dict], top: int = 6) -> None:
+    """``first_step_compiles.md`` under ``args.out``: per optimizer, the longest background compiles
+    of its process on empty caches (step called at once), with when each started and ended, in
+    seconds from the call to the first step (negative: during construction)."""
+    lines = [f"The longest background compiles of each optimizer's process on empty caches, its first step "
+             f"called at once (`cold_start.md`'s second column); seconds from the call to `step()`. Command: "
+             f"`python -m benchmarks.cold_start --optimizers {args.optimizers} --shapes {args.shapes} "
+             f"--dtype {args.dtype}`", "", "| optimizer | variant | start | end | seconds | first step ended |",
+             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        longest = sorted(r["compiles_cold"], key=lambda c: c[2] - c[1], reverse=True)[:top]
+        for label, start, end in longest:
+            lines.append(f"| {r['optimizer']} | `{label}` | {start:.2f} | {end:.2f} | {end - start:.2f} | "
+                         f"{r['first_step_cold_s']:.2f} |")
+    write_report(args.out / "first_step_compiles.md", lines)
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -250,6 +251,27 @@ def test_the_import_starts_triton_hash_alone_and_only_where_the_kernels_run(monk
     precompile._submit(lambda: None).result(timeout=30)  # an optimizer's first compile
     _settle(lambda: "triton_driver" in calls)
     assert calls.count("triton_key") == 1 and calls.count("triton_driver") == 1
+
+
+def test_the_timeline_holds_each_background_compile_with_its_variant(monkeypatch):
+    class Kernel:
+        __name__ = "fake_kernel"
+
+        def warmup(self, *args, grid, **kwargs):
+            time.sleep(0.05)
+            if kwargs["BLOCK"] == 128:
+                raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(precompile, "enabled", lambda device: True)
+    monkeypatch.setattr(precompile.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(precompile, "_timeline", [])
+    before = time.perf_counter()
+    for block in (64, 128):  # a failed compile is in it too
+        precompile.warm(Kernel(), (1,), (), {"BLOCK": block, "num_warps": 4}, torch.device("cuda")).wait()
+    runs = precompile.timeline()
+    assert [label for label, _, _ in runs] == ["fake_kernel {'BLOCK': 64, 'num_warps': 4}",
+                                               "fake_kernel {'BLOCK': 128, 'num_warps': 4}"]
+    assert all(before <= start and end - start >= 0.05 for _, start, end in runs)
 
 
 def test_a_stand_in_variant_reads_ready_once_compiled_and_is_never_waited_for(monkeypatch):

@@ -79,19 +79,23 @@ def test_the_cold_start_table_has_a_column_for_each_run(monkeypatch, tmp_path, c
 
     keys = ("build_cold_s", "first_step_cold_s", "first_step_cold_later_s", "build_warm_s", "first_step_warm_s",
             "first_step_warm_later_s", "steady_step_s")  # fmt: skip
+    compiles = [["short {}", 0.0, 0.1], ["long {'B': 1}", -0.5, 1.25]]  # (variant, start, end)
     monkeypatch.setattr(cold_start, "measure", lambda name, shapes, dtype, gap: dict(
-        optimizer=name, **{k: i + 0.5 for i, k in enumerate(keys)}))  # fmt: skip
+        optimizer=name, compiles_cold=compiles, **{k: i + 0.5 for i, k in enumerate(keys)}))  # fmt: skip
     monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "GPU")
     assert cold_start.main(["--optimizers", "kernel_factory_adamw", "--gap", "2", "--out", str(tmp_path / "c")]) == 0
     table = (tmp_path / "c" / "cold_start.md").read_text().splitlines()
     assert "first step 2 s after build, warm caches" in table[2] and table[2].count("|") == 9
     assert table[4] == "| kernel_factory_adamw | 0.500 | 1.500 | 2.500 | 3.500 | 4.500 | 5.500 | 6.5000 |"
     assert table[4] in capsys.readouterr().out
+    longest = (tmp_path / "c" / "first_step_compiles.md").read_text().splitlines()[4:]
+    assert longest == ["| kernel_factory_adamw | `long {'B': 1}` | -0.50 | 1.25 | 1.75 | 1.50 |",
+                       "| kernel_factory_adamw | `short {}` | 0.00 | 0.10 | 0.10 | 1.50 |"]
 
     def second_fails(name, shapes, dtype, gap):  # a run cut short keeps the rows measured before
         if name != "kernel_factory_adamw":
             raise RuntimeError("child failed")
-        return dict(optimizer=name, **{k: i + 0.5 for i, k in enumerate(keys)})
+        return dict(optimizer=name, compiles_cold=[], **{k: i + 0.5 for i, k in enumerate(keys)})
 
     monkeypatch.setattr(cold_start, "measure", second_fails)
     with pytest.raises(RuntimeError):

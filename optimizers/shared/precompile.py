@@ -16,6 +16,9 @@ done twice. A failed warmup is dropped: the launch then compiles in the caller a
 as it would have without this. Off under the interpreter, on CPU tensors, without Triton, and
 with ``KERNEL_FACTORY_PRECOMPILE=0``.
 
+``timeline()`` lists the compiles run so far, each with its variant and when it started and ended
+(``benchmarks/cold_start.py`` reports the longest of a first step's).
+
 ``later=True`` queues a variant a step may never launch (those taking GradScaler's tensors): it
 starts once every other queued compile has finished, so it does not take the host's cores and
 the GIL (Triton's Python front end holds it) from the variants the first step waits for; a
@@ -65,6 +68,7 @@ _threads: list[threading.Thread] = []  # the workers started (the ended ones pru
 _running = 0  # items of _queue running now
 _started = False  # Triton imported and its driver queued (the first _submit)
 _hashing = False  # Triton's hash of itself queued (start_hash or the first _submit)
+_timeline: list[tuple[str, float, float]] = []  # (variant, start, end) of each compile run (timeline())
 
 
 def enabled(device: torch.device) -> bool:
@@ -242,9 +246,9 @@ def _after_fork_in_child() -> None:
     """A forked child (a DataLoader's worker, say) has none of the parent's workers: it starts with
     an empty pool (the counts and queues copied from the parent would make it wait for threads that
     do not exist) and the parent's switch interval from before the workers lowered it."""
-    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads, _optional
+    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads, _optional, _timeline
     _lock = threading.Lock()
-    _optional = {}  # the parent's compiles: none of them runs here
+    _optional, _timeline = {}, []  # the parent's compiles: none of them runs here
     _queue, _later = queue.SimpleQueue(), queue.SimpleQueue()
     _workers = _running = 0
     _threads = []
@@ -313,15 +317,28 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, l
     ``later``: a variant a step may never launch, compiled after everything else queued."""
     if not enabled(device):
         return Warm(None)
+    label = f"{getattr(kernel, '__name__', type(kernel).__name__)} {dict(sorted(kwargs.items()))}"
 
     def compile_variant() -> None:
-        with torch.cuda.device(device):  # a new thread starts on device 0
-            compiled = kernel.warmup(*args, grid=grid, **kwargs)
-            init = getattr(compiled, "_init_handles", None)  # load the module, build its launcher
-            if init is not None:
-                init()
+        start = time.perf_counter()
+        try:
+            with torch.cuda.device(device):  # a new thread starts on device 0
+                compiled = kernel.warmup(*args, grid=grid, **kwargs)
+                init = getattr(compiled, "_init_handles", None)  # load the module, build its launcher
+                if init is not None:
+                    init()
+        finally:
+            _timeline.append((label, start, time.perf_counter()))
 
     return Warm(_submit(compile_variant, later), later)
+
+
+def timeline() -> list[tuple[str, float, float]]:
+    """(variant, start, end) of each background compile this process has run (ended ones; a failed
+    one too), in the order they ended; ``time.perf_counter()`` seconds. The variant: the kernel's
+    name and the launch's keyword arguments (constexprs and launch options). What a first step
+    waited for, for ``benchmarks/cold_start.py``."""
+    return list(_timeline)
 
 
 def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
