@@ -55,6 +55,7 @@ import torch
 from kernel_factory.generator import backend_mode, interpreter_enabled
 
 from . import buckets  # (its triton_available: the one the kernels' paths consult)
+from . import launcher_loading
 from .dtensor import local
 
 MAX_THREADS = min(8, os.cpu_count() or 1)
@@ -264,9 +265,12 @@ if hasattr(os, "register_at_fork"):
 def _import_triton() -> None:
     """Import, in the calling thread, the Triton modules the workers use: a package imported by a
     worker while the caller imports it too can be seen half-initialised by the caller (found with
-    torch._inductor importing triton.backends beside a worker's first import of triton)."""
+    torch._inductor importing triton.backends beside a worker's first import of triton). Also makes
+    the launchers' loads safe from several threads (``launcher_loading``), before any worker runs."""
     import triton.compiler  # noqa: F401
     import triton.runtime.driver  # noqa: F401
+
+    launcher_loading.install()
 
     try:
         import triton.runtime.cache  # noqa: F401
