@@ -293,3 +293,41 @@ def test_a_stand_in_variant_reads_ready_once_compiled_and_is_never_waited_for(mo
     assert precompile.ready(kernel, (x, 96), {"TWO_PARTS": True}) and not precompile.optional_pending()
     assert precompile._optional == {}
     _settle(lambda: precompile._workers == 0)
+
+
+def test_a_variant_queued_twice_compiles_once(monkeypatch):
+    """Two plans launching one variant (AdamMini's param groups) share its compile; another
+    variant, another device or a later compile cancelled before it started is queued anew."""
+    compiles = []
+
+    class Kernel:
+        __name__ = "fake_kernel"
+
+        def warmup(self, *args, grid, **kwargs):
+            compiles.append((args[1], kwargs["BLOCK"]))
+            time.sleep(0.02)
+
+    monkeypatch.setattr(precompile, "enabled", lambda device: True)
+    monkeypatch.setattr(precompile.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(precompile, "_queued", {})
+    kernel, x = Kernel(), torch.empty(64)
+    cuda0, cuda1 = torch.device("cuda:0"), torch.device("cuda:1")
+    warms = [precompile.warm(kernel, (1,), (x, 7), {"BLOCK": 64}, cuda0) for _ in range(3)]
+    warms.append(precompile.warm(kernel, (9,), (x, 5), {"BLOCK": 64}, cuda0))  # 5, 7: one int kind
+    warms.append(precompile.warm(kernel, (1,), (x, 7), {"BLOCK": 128}, cuda0))
+    warms.append(precompile.warm(kernel, (1,), (x, 7), {"BLOCK": 64}, cuda1))
+    precompile.wait_all(warms)
+    assert sorted(compiles) == [(7, 64), (7, 64), (7, 128)]  # cuda:0 and cuda:1 each once, BLOCK 128
+    assert all(w.done() for w in warms)
+
+    gate = threading.Event()
+    blocker = precompile._submit(gate.wait)  # keeps the later compile below from starting
+    first = precompile.warm(kernel, (1,), (x, 3), {"BLOCK": 32}, cuda0, later=True)
+    first.wait()  # not started: cancelled, for the launch to compile at once
+    again = precompile.warm(kernel, (1,), (x, 3), {"BLOCK": 32}, cuda0, later=True)
+    gate.set()
+    blocker.result(timeout=30)
+    deadline = time.monotonic() + 30
+    while not again.done() and time.monotonic() < deadline:  # (wait() would cancel it if not started)
+        time.sleep(0.01)
+    assert again.done() and compiles.count((3, 32)) == 1

@@ -12,7 +12,8 @@ of the serial time (the subprocesses and the C++ passes overlap).
 ``warm(kernel, grid, args, kwargs, device)`` queues ``kernel.warmup`` (compile and load, no launch)
 and the launcher's build on up to MAX_THREADS daemon threads and returns a ``Warm`` handle; the
 launch site calls ``handle.wait()`` before its first launch of that kernel, so the work is never
-done twice. A failed warmup is dropped: the launch then compiles in the caller and raises there,
+done twice; a variant already queued in the process (by another plan) is not queued again, its
+handle shares the first one's compile. A failed warmup is dropped: the launch then compiles in the caller and raises there,
 as it would have without this. Off under the interpreter, on CPU tensors, without Triton, and
 with ``KERNEL_FACTORY_PRECOMPILE=0``.
 
@@ -70,6 +71,7 @@ _running = 0  # items of _queue running now
 _started = False  # Triton imported and its driver queued (the first _submit)
 _hashing = False  # Triton's hash of itself queued (start_hash or the first _submit)
 _timeline: list[tuple[str, float, float]] = []  # (variant, start, end) of each compile run (timeline())
+_queued: dict[tuple, tuple] = {}  # (signature, device, later) -> (kernel, future) of each warm() queued
 
 
 def enabled(device: torch.device) -> bool:
@@ -247,9 +249,9 @@ def _after_fork_in_child() -> None:
     """A forked child (a DataLoader's worker, say) has none of the parent's workers: it starts with
     an empty pool (the counts and queues copied from the parent would make it wait for threads that
     do not exist) and the parent's switch interval from before the workers lowered it."""
-    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads, _optional, _timeline
+    global _lock, _queue, _later, _workers, _running, _saved_switch, _threads, _optional, _timeline, _queued
     _lock = threading.Lock()
-    _optional, _timeline = {}, []  # the parent's compiles: none of them runs here
+    _optional, _timeline, _queued = {}, [], {}  # the parent's compiles: none of them runs here
     _queue, _later = queue.SimpleQueue(), queue.SimpleQueue()
     _workers = _running = 0
     _threads = []
@@ -321,6 +323,13 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, l
     ``later``: a variant a step may never launch, compiled after everything else queued."""
     if not enabled(device):
         return Warm(None)
+    # One compile per variant in a process: two plans (param groups, say) that launch the same
+    # variant share its compile instead of running two at once (measured on an H100: AdamMini's
+    # first step waited for two 3.7 s compiles of its row kernel, one per plan).
+    key = (_signature(kernel, args, kwargs), str(device), later)
+    queued = _queued.get(key)
+    if queued is not None and not queued[1].cancelled():
+        return Warm(queued[1], later)
     label = f"{getattr(kernel, '__name__', type(kernel).__name__)} {dict(sorted(kwargs.items()))}"
 
     def compile_variant() -> None:
@@ -334,7 +343,9 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, l
         finally:
             _timeline.append((label, start, time.perf_counter()))
 
-    return Warm(_submit(compile_variant, later), later)
+    future = _submit(compile_variant, later)
+    _queued[key] = (kernel, future)  # (the kernel kept alive: its id is in the key)
+    return Warm(future, later)
 
 
 def timeline() -> list[tuple[str, float, float]]:
