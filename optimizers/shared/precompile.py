@@ -13,9 +13,9 @@ of the serial time (the subprocesses and the C++ passes overlap).
 and the launcher's build on up to MAX_THREADS daemon threads and returns a ``Warm`` handle; the
 launch site calls ``handle.wait()`` before its first launch of that kernel, so the work is never
 done twice; a variant already queued in the process (by another plan) is not queued again, its
-handle shares the first one's compile. A failed warmup is dropped: the launch then compiles in the caller and raises there,
-as it would have without this. Off under the interpreter, on CPU tensors, without Triton, and
-with ``KERNEL_FACTORY_PRECOMPILE=0``.
+handle shares the first one's compile. A failed warmup is dropped: the launch then compiles in
+the caller and raises there, as it would have without this. Off under the interpreter, on CPU
+tensors, without Triton, and with ``KERNEL_FACTORY_PRECOMPILE=0``.
 
 ``timeline()`` lists the compiles run so far, each with its variant and when it started and ended
 (``benchmarks/cold_start.py`` reports the longest of a first step's).
@@ -55,8 +55,8 @@ import torch
 
 from kernel_factory.generator import backend_mode, interpreter_enabled
 
-from . import buckets  # (its triton_available: the one the kernels' paths consult)
-from . import launcher_loading
+# (buckets: its triton_available is the one the kernels' paths consult)
+from . import buckets, launcher_loading
 from .dtensor import local
 
 MAX_THREADS = min(8, os.cpu_count() or 1)
