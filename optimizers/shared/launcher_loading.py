@@ -23,7 +23,7 @@ import threading
 import types
 from collections.abc import Callable
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (reentrant: a load that loads another cannot deadlock)
 _installed = False
 
 
@@ -61,7 +61,7 @@ def install() -> None:
 def _after_fork_in_child() -> None:
     """A forked child gets a free lock (a parent's thread may have held it at the fork)."""
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
