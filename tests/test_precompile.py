@@ -209,16 +209,25 @@ def test_begin_lists_params_and_leaves_iterators_inside_groups_alone():
 
 
 def test_launches_of_one_variant_are_warmed_once(monkeypatch):
-    warmed = []
-    monkeypatch.setattr(precompile, "warm", lambda kernel, grid, args, kwargs, device, later: warmed.append(args))
-    kernel, a, b = object(), torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    compiled = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **kwargs):
+            compiled.append((args[0].dtype, args[1], kwargs["BLOCK"]))
+
+    monkeypatch.setattr(precompile, "enabled", lambda device: True)
+    monkeypatch.setattr(precompile.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(precompile, "_queued", {})
+    kernel, a, b = Kernel(), torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
     launches = [(kernel, (1,), (a, 32, 0.5), {"BLOCK": 4}), (kernel, (2,), (torch.ones(4), 48, 0.1), {"BLOCK": 4}),
                 (kernel, (1,), (b, 32, 0.5), {"BLOCK": 4}), (kernel, (1,), (a, 1, 0.5), {"BLOCK": 4}),
                 (kernel, (1,), (a, 32, 0.5), {"BLOCK": 8})]  # fmt: skip
-    precompile.warm_launches(launches, a.device)
+    warms = precompile.warm_launches(launches, a.device)
+    assert len(warms) == len(launches) and warms[0]._future is warms[1]._future
+    precompile.wait_all(warms)
     # the second launch differs in values only; the others in dtype, an int of 1, a constexpr
-    assert [w[0].dtype for w in warmed] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
-    assert [w[1] for w in warmed] == [32, 32, 1, 32]
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert sorted(compiled, key=str) == sorted([(f32, 32, 4), (bf16, 32, 4), (f32, 1, 4), (f32, 32, 8)], key=str)
 
 
 def _settle(condition, seconds: float = 10.0) -> None:
@@ -278,20 +287,27 @@ def test_a_stand_in_variant_reads_ready_once_compiled_and_is_never_waited_for(mo
     """``warm_optional``: Muon's two-part kernels compile after the rest; until one has, ``ready``
     says its launch must not be issued (the step takes the one-part launches), and afterwards the
     registry empties, so later checks cost no signature."""
-    gate = threading.Event()
-    monkeypatch.setattr(precompile, "warm", lambda kernel, grid, args, kwargs, device, later=False:
-                        precompile.Warm(precompile._submit(gate.wait, later), later))  # fmt: skip
+    gate, compiles = threading.Event(), []
+
+    class Kernel:
+        def warmup(self, *args, grid, **kwargs):
+            compiles.append(kwargs)
+            gate.wait()
+
+    monkeypatch.setattr(precompile, "enabled", lambda device: True)
+    monkeypatch.setattr(precompile.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(precompile, "_optional", {})
-    kernel, x = object(), torch.empty(64)
+    monkeypatch.setattr(precompile, "_queued", {})
+    kernel, x = Kernel(), torch.empty(64)
     pair = (kernel, (4,), (x, 96), {"TWO_PARTS": True})
     warms = precompile.warm_optional([pair, pair], torch.device("cpu"))
-    assert len(warms) == 1  # one compile per variant
+    assert warms[0]._future is warms[1]._future  # one compile per variant
     assert not precompile.ready(kernel, (x, 96), {"TWO_PARTS": True}) and precompile.optional_pending()
     assert precompile.ready(kernel, (x, 96), {"TWO_PARTS": False})  # a variant never queued as a stand-in
     gate.set()
     warms[0]._future.result(timeout=60)
     assert precompile.ready(kernel, (x, 96), {"TWO_PARTS": True}) and not precompile.optional_pending()
-    assert precompile._optional == {}
+    assert precompile._optional == {} and compiles == [{"TWO_PARTS": True}]
     _settle(lambda: precompile._workers == 0)
 
 

@@ -24,7 +24,6 @@ import types
 from collections.abc import Callable
 
 _lock = threading.RLock()  # (reentrant: a load that loads another cannot deadlock)
-_installed = False
 
 
 def private_loader(load: Callable[[str, str], types.ModuleType]) -> Callable[[str, str], types.ModuleType]:
@@ -45,10 +44,6 @@ def private_loader(load: Callable[[str, str], types.ModuleType]) -> Callable[[st
 def install() -> None:
     """Wrap Triton's extension-module loader with ``private_loader`` (once per process; nothing
     where Triton has no such loader)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
     try:
         from triton.runtime import build
     except ImportError:

@@ -359,7 +359,7 @@ def timeline() -> list[tuple[str, float, float]]:
 def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
     """What a launch's compiled variant depends on, coarsely (Triton specializes tensors on dtype
     and 16-byte alignment, ints on 1, multiples of 16 and int32 range, descriptors on dtype and
-    block): launches with the same signature are warmed once."""
+    block): launches with the same signature share one compile (``warm``)."""
 
     def kind(a):
         if isinstance(a, torch.Tensor):
@@ -376,21 +376,10 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
     return (id(kernel), tuple(map(kind, args)), tuple(sorted(kwargs.items())))
 
 
-def _distinct(launches: list[tuple]) -> list[tuple]:
-    """The first of ``launches`` of each signature, in order."""
-    seen, out = set(), []
-    for launch in launches:
-        key = _signature(launch[0], launch[2], launch[3])
-        if key not in seen:
-            seen.add(key)
-            out.append(launch)
-    return out
-
-
 def warm_launches(launches: list[tuple], device: torch.device, later: bool = False) -> list[Warm]:
-    """``warm`` each distinct variant of ``launches`` ((kernel, grid, args, kwargs) as the step will
-    issue them, placeholders allowed as in ``warm``) on ``device``."""
-    return [warm(kernel, grid, args, kwargs, device, later) for kernel, grid, args, kwargs in _distinct(launches)]
+    """``warm`` each of ``launches`` ((kernel, grid, args, kwargs) as the step will issue them,
+    placeholders allowed as in ``warm``) on ``device``; launches of one variant share its compile."""
+    return [warm(kernel, grid, args, kwargs, device, later) for kernel, grid, args, kwargs in launches]
 
 
 # Variants a step may launch in place of others once compiled (``warm_optional``), by signature.
@@ -403,7 +392,7 @@ def warm_optional(launches: list[tuple], device: torch.device) -> list[Warm]:
     two-part Newton–Schulz kernels, whose one-part variants give the same bits and compile in half
     the time)."""
     warms = warm_launches(launches, device, later=True)
-    for (kernel, _, args, kwargs), w in zip(_distinct(launches), warms, strict=True):
+    for (kernel, _, args, kwargs), w in zip(launches, warms, strict=True):
         _optional[_signature(kernel, args, kwargs)] = w
     return warms
 
