@@ -12,6 +12,11 @@ version it was tuned on, then the family's seed configs) over the family's tunab
 - failures are typed (compile, out_of_resources, wrong_result, runtime), recorded on the
   trial and never retried: a config seen before is answered from the study, not rerun;
 - objectives are always finite (failed trials are FAIL, not NaN);
+- a task that can compile configs without switching to them (``precompile(configs)``) gets
+  PRECOMPILE_BATCH trials asked at once (TPE's constant liar keeps them apart) and their kernels
+  compiled in parallel on background threads before the first of them is checked and timed
+  (nothing compiles while one is timed): a trial's compile, seconds for AdamMini's and
+  TurboAdam's kernels on one thread, was most of its time;
 - at the end the winner and the default are timed again, alternately, and the cache records
   those paired times: a config timed while the GPU was still warming up (the default, timed
   first) or one timed on a lucky run cannot win or lose by it. If the default is as fast in
@@ -36,6 +41,9 @@ from .family import KernelFamily
 from .render import user_cache_dir
 
 FAILURES = ("compile", "out_of_resources", "wrong_result", "runtime")
+# Trials asked at once of a task that precompiles: one per compile worker (precompile.MAX_THREADS,
+# at most 8), few enough that TPE still learns from most trials before it proposes the next.
+PRECOMPILE_BATCH = 8
 Timer = Callable[["TuningTask"], tuple[float, float, float]]
 
 
@@ -50,8 +58,10 @@ class TuningTask(Protocol):
     the family's reference; ``tol`` is the largest acceptable error. A task may also set
     ``graph_replayed = True``: time the replay of a CUDA graph of ``run`` (timing.restoring_timer),
     and define ``allows(config)``: False prunes a config the family allows but the task's user
-    cannot run well, and ``release()``: called once its study is over, it frees the workload
-    (the tasks of a run are built up front; a large one allocates when first used)."""
+    cannot run well, ``release()``: called once its study is over, it frees the workload
+    (the tasks of a run are built up front; a large one allocates when first used), and
+    ``precompile(configs)``: compile these configs' kernels (in parallel, on background threads)
+    and return when they are done, staying on its config (``configure`` then finds them compiled)."""
 
     family: KernelFamily
     variant: str  # the family's tuning key of the structural variant
@@ -121,7 +131,7 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
     family = task.family
     study = optuna.create_study(
         study_name=_study_name(task, arch), storage=storage, load_if_exists=True, direction="minimize",
-        sampler=optuna.samplers.TPESampler(seed=seed),
+        sampler=_sampler(seed),
     )  # fmt: skip
     if not study.trials:
         study.enqueue_trial(dict(family.default_config))
@@ -129,7 +139,7 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
             study.enqueue_trial(dict(warm_start))
         for config in family.seed_configs:  # alternatives the sampler would rarely draw
             study.enqueue_trial(dict(config))
-    seen = {_config_key(t.params): t for t in study.trials if t.state.is_finished() and t.params}
+    seen = {_config_key(t.params): t for t in study.trials if _ran(t) and t.params}
 
     def objective(trial) -> float:
         config = {t.name: trial.suggest_categorical(t.name, list(t.choices)) for t in family.tunables}
@@ -165,14 +175,71 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
         if progress is not None:
             progress()
 
-    remaining = max(0, trials - sum(1 for t in study.trials if t.state.is_finished()))
+    remaining = max(0, trials - sum(1 for t in study.trials if _ran(t)))
     if remaining:
-        study.optimize(objective, n_trials=remaining, timeout=max(1.0, seconds), catch=(Exception,),
-                       callbacks=[after])  # fmt: skip
+        prepare = getattr(task, "precompile", None)
+
+        def fresh(trial) -> dict | None:
+            """The config of an asked trial if it would compile: legal, allowed, not seen before."""
+            config = {t.name: trial.suggest_categorical(t.name, list(t.choices)) for t in family.tunables}
+            if _config_key(config) in seen or not family.is_legal(config):
+                return None
+            return config if getattr(task, "allows", lambda _: True)(config) else None
+
+        _optimize(study, objective, after, remaining, max(1.0, seconds),
+                  PRECOMPILE_BATCH if prepare is not None else 1, prepare, fresh)  # fmt: skip
     result = _summarise(task, study)
     if final_rounds and result.best is not None and result.default_p50 is not None:
         _paired_timing(task, timer, result, final_rounds)
     return result
+
+
+def _ran(trial) -> bool:
+    """Whether a trial of the study ran to an outcome (not one asked and skipped at the deadline)."""
+    return trial.state.is_finished() and "skipped" not in trial.user_attrs
+
+
+def _sampler(seed: int):
+    """TPE with a fixed seed; its constant liar counts trials asked but not yet told (a batch) as
+    already bad, so one batch does not propose one config eight times."""
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+
+
+def _optimize(study, objective, after, n_trials: int, seconds: float, batch: int, prepare, fresh) -> None:
+    """``study.optimize(objective, n_trials, timeout=seconds, catch=(Exception,), callbacks=[after])``
+    in batches of ``batch`` asked trials: ``prepare`` (a task's ``precompile``) gets the configs of
+    a batch that ``fresh`` says would compile before the first of them runs. Every asked trial is
+    told, so none is left running in storage: those the deadline leaves unrun are pruned as
+    ``skipped`` (neither counted nor taken for configs seen: a resumed study may run them)."""
+    import optuna
+
+    deadline = time.monotonic() + seconds
+    done = 0
+    while done < n_trials and time.monotonic() < deadline:
+        asked = [study.ask() for _ in range(min(batch, n_trials - done))]
+        if prepare is not None:
+            configs = [c for c in map(fresh, asked) if c is not None]
+            if configs:
+                prepare(configs)
+        for trial in asked:
+            if time.monotonic() >= deadline:
+                trial.set_user_attr("skipped", "time budget")
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
+            try:
+                frozen = study.tell(trial, objective(trial))
+            except optuna.TrialPruned:
+                frozen = study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            except Exception:  # noqa: BLE001 - recorded on the trial by the objective, as optimize's catch
+                frozen = study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            after(study, frozen)
+        done += len(asked)
 
 
 def _paired_timing(task: TuningTask, timer: Timer, result: KeyResult, rounds: int) -> None:
@@ -199,7 +266,7 @@ def _summarise(task: TuningTask, study) -> KeyResult:
 
     result = KeyResult(task)
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and math.isfinite(t.value)]
-    result.trials = sum(1 for t in study.trials if t.state.is_finished())
+    result.trials = sum(1 for t in study.trials if _ran(t))
     result.failures = Counter(t.user_attrs["failure"] for t in study.trials if "failure" in t.user_attrs)
     default = _config_key(task.family.default_config)
     for t in complete:

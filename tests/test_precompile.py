@@ -347,3 +347,36 @@ def test_a_variant_queued_twice_compiles_once(monkeypatch):
     while not again.done() and time.monotonic() < deadline:  # (wait() would cancel it if not started)
         time.sleep(0.01)
     assert again.done() and compiles.count((3, 32)) == 1
+
+
+class _Plan:
+    """A plan whose configure rebinds its attributes, as the optimizers' plans do."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.configure({"X": 2})
+
+    def configure(self, config):
+        if config["X"] < 1:
+            raise ValueError("X must be >= 1")
+        self.config, self.items = dict(config), torch.arange(config["X"])
+
+    def launches(self):
+        return [("kernel", (1,), (self.items,), dict(self.config))]
+
+
+def test_warm_config_queues_another_config_and_leaves_the_plan_on_its_own(monkeypatch):
+    # The tuner's compile-ahead: the launches of a config not in use are queued, the plan keeps
+    # the very objects of its own config, and a config configure refuses queues nothing.
+    queued = []
+    monkeypatch.setattr(precompile, "warm_launches", lambda launches, device, later=False: queued.extend(launches)
+                        or [f"warm {len(queued)}"])  # fmt: skip
+    plan = _Plan()
+    own = dict(vars(plan))
+    assert precompile.warm_config(plan, {"X": 3}, plan.launches) == ["warm 1"]
+    ((_, _, (items,), kwargs),) = queued
+    assert items.tolist() == [0, 1, 2] and kwargs == {"X": 3}
+    assert vars(plan).keys() == own.keys() and all(vars(plan)[k] is v for k, v in own.items())
+    assert precompile.warm_config(plan, {"X": 0}, plan.launches) == [] and len(queued) == 1
+    assert all(vars(plan)[k] is v for k, v in own.items())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_factory.generator import ADAMW, interpreter_enabled
-from kernel_factory.generator.tuner import classify, tune
+from kernel_factory.generator.tuner import PRECOMPILE_BATCH, classify, tune
 from kernel_factory.optimizers.adamw.tune import AdamWTuningTask
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
@@ -185,6 +185,55 @@ def test_a_winner_that_was_only_lucky_loses_to_the_default(tmp_path):
     assert result.best_times[1] == result.default_p50 == fake_ms(ADAMW.default_config)
     entry = json.loads((tmp_path / "cpu.json").read_text())["entries"][0]
     assert entry["config"] == dict(ADAMW.default_config)
+
+
+class Precompiling(Recorder):
+    """A task that can compile configs ahead: records each batch it is given."""
+
+    def __init__(self, task):
+        super().__init__(task)
+        self.batches: list[list[dict]] = []
+
+    def precompile(self, configs):
+        assert all(c not in self.configured for c in configs), "a config compiled again"
+        self.batches.append([dict(c) for c in configs])
+
+
+def test_a_precompiling_task_gets_each_batch_of_configs_before_they_run(tmp_path):
+    task = Precompiling(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    task.allows = lambda config: config["num_warps"] != 2
+    (result,) = _tune(task, tmp_path, trials=20)
+    assert task.batches and all(1 <= len(b) <= PRECOMPILE_BATCH for b in task.batches)
+    assert task.batches[0][0] == dict(ADAMW.default_config)  # the enqueued trials come first
+    queued = [c for b in task.batches for c in b]
+    assert all(ADAMW.is_legal(c) and c["num_warps"] != 2 for c in queued)  # only configs that would compile
+    # every config run was handed to precompile first, in an earlier or the same batch
+    assert task.configured and all(c in queued for c in task.configured)
+    assert len({tuple(sorted(c.items())) for c in task.configured}) == len(task.configured)  # no reruns
+    assert result.trials == 20 and result.best_times[1] <= result.default_p50
+    study = optuna.load_study(study_name=f"cpu/adamw/{task.variant}/float32/512",
+                              storage=f"sqlite:///{tmp_path / 'studies.db'}")  # fmt: skip
+    assert all(t.state.is_finished() for t in study.trials)  # no asked trial left running
+
+
+def test_the_budget_stops_a_batch_too_and_leaves_its_rest_for_a_resume(tmp_path):
+    # Trials of 0.2 s and a 1.2 s budget: the first batch of 8 is cut, its unrun trials told
+    # as skipped (not counted, not taken as seen), none left running; a resumed study runs on.
+    import time
+
+    def slow(task):
+        time.sleep(0.2)
+        return timer(task)
+
+    task = Precompiling(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    (result,) = _tune(task, tmp_path, trials=30, minutes=0.02, timer=slow)
+    study = optuna.load_study(study_name=f"cpu/adamw/{task.variant}/float32/512",
+                              storage=f"sqlite:///{tmp_path / 'studies.db'}")  # fmt: skip
+    skipped = [t for t in study.trials if "skipped" in t.user_attrs]
+    assert skipped and 1 <= result.trials == len(task.configured) < PRECOMPILE_BATCH
+    assert all(t.state.is_finished() for t in study.trials)
+    (again,) = _tune(task, tmp_path, trials=30, minutes=0.5)
+    assert again.trials > result.trials
 
 
 def test_budget_stops_the_study(tmp_path):

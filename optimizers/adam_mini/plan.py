@@ -122,8 +122,19 @@ class AdamMiniTritonPlan:
             self._tables = [self._table(key) for key in ("p", "m", "scale", "pool", "used", "v")]
             if precompile.enabled(self.device):  # placeholders: a dtype for no tensor, zeros for the floats
                 begin = (self.begin_kernel, (1,), self._begin_args(0.0, (0.0, 0.0)), dict(BLOCK=self._begin_block()))
-                updates = self._multi_launches(self._launches, self._grads.table, None, (0.0,) * 6)
-                self._warm = precompile.warm_launches([begin, *updates], self.device)
+                self._warm = precompile.warm_launches([begin, *self._placeholder_updates()], self.device)
+
+    def _placeholder_updates(self) -> list[tuple]:
+        """The update launches of the current config with zeros for the step's floats (what a
+        background compile needs: precompile.py)."""
+        return self._multi_launches(self._launches, self._grads.table, None, (0.0,) * 6)
+
+    def warm_config(self, config) -> list[precompile.Warm]:
+        """Compile the update launches of ``config`` in the background and stay on the current
+        config (the tuner's compile-ahead); nothing to do off CUDA."""
+        if not (self.multi_tensor and precompile.enabled(self.device)):
+            return []
+        return precompile.warm_config(self, config, self._placeholder_updates)
 
     def _tensor(self, i: int, key: str) -> Tensor:
         state = self.states[i]

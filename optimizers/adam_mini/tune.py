@@ -17,6 +17,7 @@ import torch
 from kernel_factory.generator import ADAM_MINI, size_bucket
 
 from ..parity import compare_tensors
+from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES
 from ..shared.tuning import InPlaceTask
 from ..shared.workloads import MODELS, SHAPE_SETS, model_at_bucket
@@ -85,6 +86,14 @@ class AdamMiniTuningTask(InPlaceTask):
     def restore(self) -> None:
         self._build()
         super().restore()
+
+    def precompile(self, configs) -> None:
+        """Compile ``configs``' update kernels on background threads, in parallel, and return when
+        they are done (the tuner's compile-ahead: a config compiles two or three variants of
+        seconds each); the plans stay on their config."""
+        self._build()
+        warms = [w for config in configs for plan in self.plans for w in plan.warm_config(config)]
+        precompile.wait_all(warms)
 
     def configure(self, config) -> None:
         self._build()

@@ -416,6 +416,24 @@ def optional_pending() -> bool:
     return bool(_optional)
 
 
+def warm_config(plan, config, launches: Callable[[], list[tuple]]) -> list[Warm]:
+    """``warm_launches`` of ``plan``'s launches under ``config`` (``launches()`` lists them once
+    ``plan.configure(config)`` has run), leaving ``plan`` on the config it had: its attributes are
+    put back as they were (``configure`` rebinds them to new objects; it mutates none in place).
+    The tuner's compile-ahead: the next trials' kernels compile in parallel while one is timed.
+    A config ``configure`` refuses queues nothing (its trial reports the error)."""
+    saved = dict(vars(plan))
+    try:
+        plan.configure(config)
+        pending = launches()
+    except Exception:  # noqa: BLE001 - the trial's own configure raises it where it is recorded
+        return []
+    finally:
+        vars(plan).clear()
+        vars(plan).update(saved)
+    return warm_launches(pending, plan.device)
+
+
 def wait_all(warms: list[Warm]) -> None:
     """``wait()`` for each of ``warms`` (and empty the list: they are waited for once)."""
     while warms:

@@ -332,11 +332,22 @@ class TurboLaunch:
         """Queue both variants' launches (with and without GradScaler's tensors) for their background
         compile (precompile.py), GradScaler's behind the rest: a dtype stands for the lr buffer,
         zeros for the floats."""
-        upd = (0.0,) * 9
         for scaling in (False, True):
-            launches = self._launches(scaling, self._grads.table, torch.float32, self._one, self._zero, upd)
-            self._warm[scaling] = precompile.warm_launches([launch for _, launch in launches], self.device,
+            self._warm[scaling] = precompile.warm_launches(self._placeholder_launches(scaling), self.device,
                                                            later=scaling)  # fmt: skip
+
+    def _placeholder_launches(self, scaling: bool) -> list[tuple]:
+        """A step's launches under the current config, a dtype standing for the lr buffer and zeros
+        for the floats (what a background compile needs)."""
+        launches = self._launches(scaling, self._grads.table, torch.float32, self._one, self._zero, (0.0,) * 9)
+        return [launch for _, launch in launches]
+
+    def warm_config(self, config) -> list[precompile.Warm]:
+        """Compile the launches (without GradScaler's tensors) of ``config`` in the background and
+        stay on the current config (the tuner's compile-ahead); nothing to do off CUDA."""
+        if self._grads is None or not precompile.enabled(self.device):
+            return []
+        return precompile.warm_config(self, config, lambda: self._placeholder_launches(False))
 
     def update_amax(self) -> Tensor:
         """The last step's largest |update| of this launch's tensors (0-d fp32, no sync)."""

@@ -10,6 +10,7 @@ import torch
 from kernel_factory.generator import TURBO_ADAM, size_bucket
 
 from ..parity import compare_tensors
+from ..shared import precompile
 from ..shared.tuning import InPlaceTask
 from ..shared.workloads import SHAPE_SETS
 from .optimizer import TurboAdam
@@ -59,6 +60,11 @@ class TurboAdamTuningTask(InPlaceTask):
     def _tensors(self) -> list[torch.Tensor]:
         states = [t for s in self.launch.states for k, t in s.items() if k != "step"]
         return [*self.launch.params, *states, self.launch.steps, self.launch.mean]
+
+    def precompile(self, configs) -> None:
+        """Compile ``configs``' kernels on background threads, in parallel, and return when they are
+        done (the tuner's compile-ahead); the launch stays on its config."""
+        precompile.wait_all([w for config in configs for w in self.launch.warm_config(config)])
 
     def configure(self, config) -> None:
         self.launch.configure(config)
