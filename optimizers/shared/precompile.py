@@ -420,7 +420,7 @@ def warm_config(plan, config, launches: Callable[[], list[tuple]]) -> list[Warm]
     """``warm_launches`` of ``plan``'s launches under ``config`` (``launches()`` lists them once
     ``plan.configure(config)`` has run), leaving ``plan`` on the config it had: its attributes are
     put back as they were (``configure`` rebinds them to new objects; it mutates none in place).
-    The tuner's compile-ahead: the next trials' kernels compile in parallel while one is timed.
+    The tuner's compile-ahead: a batch of trials' kernels compile in parallel before any is timed.
     A config ``configure`` refuses queues nothing (its trial reports the error)."""
     saved = dict(vars(plan))
     try:
