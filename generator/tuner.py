@@ -140,9 +140,16 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
         for config in family.seed_configs:  # alternatives the sampler would rarely draw
             study.enqueue_trial(dict(config))
     seen = {_config_key(t.params): t for t in study.trials if _ran(t) and t.params}
+    allows = getattr(task, "allows", lambda _: True)
+
+    def suggest(trial) -> dict:
+        return {t.name: trial.suggest_categorical(t.name, list(t.choices)) for t in family.tunables}
+
+    def compiles(config) -> bool:
+        return family.is_legal(config) and allows(config)
 
     def objective(trial) -> float:
-        config = {t.name: trial.suggest_categorical(t.name, list(t.choices)) for t in family.tunables}
+        config = suggest(trial)
         earlier = seen.get(_config_key(config))
         if earlier is not None:  # never rerun a config: reuse its outcome
             trial.set_user_attr("repeat_of", earlier.number)
@@ -151,7 +158,7 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
                     trial.set_user_attr(k, earlier.user_attrs[k])
                 return earlier.value
             raise optuna.TrialPruned(f"repeat of trial {earlier.number} ({earlier.state.name})")
-        if not family.is_legal(config) or not getattr(task, "allows", lambda _: True)(config):
+        if not compiles(config):
             trial.set_user_attr("pruned", "illegal")
             raise optuna.TrialPruned("illegal config")
         try:
@@ -181,10 +188,8 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
 
         def fresh(trial) -> dict | None:
             """The config of an asked trial if it would compile: legal, allowed, not seen before."""
-            config = {t.name: trial.suggest_categorical(t.name, list(t.choices)) for t in family.tunables}
-            if _config_key(config) in seen or not family.is_legal(config):
-                return None
-            return config if getattr(task, "allows", lambda _: True)(config) else None
+            config = suggest(trial)
+            return config if _config_key(config) not in seen and compiles(config) else None
 
         _optimize(study, objective, after, remaining, max(1.0, seconds),
                   PRECOMPILE_BATCH if prepare is not None else 1, prepare, fresh)  # fmt: skip

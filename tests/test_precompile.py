@@ -374,6 +374,8 @@ def test_warm_config_queues_another_config_and_leaves_the_plan_on_its_own(monkey
                         or [f"warm {len(queued)}"])  # fmt: skip
     plan = _Plan()
     own = dict(vars(plan))
+    assert precompile.warm_config(plan, {"X": 3}, plan.launches) == [] and not queued  # the CPU: nothing ahead
+    monkeypatch.setattr(precompile, "enabled", lambda device: True)
     assert precompile.warm_config(plan, {"X": 3}, plan.launches) == ["warm 1"]
     ((_, _, (items,), kwargs),) = queued
     assert items.tolist() == [0, 1, 2] and kwargs == {"X": 3}

@@ -132,9 +132,7 @@ class AdamMiniTritonPlan:
     def warm_config(self, config) -> list[precompile.Warm]:
         """Compile the update launches of ``config`` in the background and stay on the current
         config (the tuner's compile-ahead); nothing to do off CUDA."""
-        if not (self.multi_tensor and precompile.enabled(self.device)):
-            return []
-        return precompile.warm_config(self, config, self._placeholder_updates)
+        return precompile.warm_config(self, config, self._placeholder_updates) if self.multi_tensor else []
 
     def _tensor(self, i: int, key: str) -> Tensor:
         state = self.states[i]

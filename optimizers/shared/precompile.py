@@ -324,8 +324,8 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, l
     if not enabled(device):
         return Warm(None)
     # One compile per variant in a process: two plans (param groups, say) that launch the same
-    # variant share its compile instead of running two at once (measured on an H100: AdamMini's
-    # first step waited for two 3.7 s compiles of its row kernel, one per plan).
+    # variant share its compile instead of running two at once (seen on an H100: AdamMini's two
+    # plans compiled its 3.7 s row kernel twice, side by side).
     key = (_signature(kernel, args, kwargs), str(device), later)
     queued = _queued.get(key)
     if queued is not None and not queued[1].cancelled():
@@ -421,7 +421,10 @@ def warm_config(plan, config, launches: Callable[[], list[tuple]]) -> list[Warm]
     ``plan.configure(config)`` has run), leaving ``plan`` on the config it had: its attributes are
     put back as they were (``configure`` rebinds them to new objects; it mutates none in place).
     The tuner's compile-ahead: a batch of trials' kernels compile in parallel before any is timed.
-    A config ``configure`` refuses queues nothing (its trial reports the error)."""
+    A config ``configure`` refuses queues nothing (its trial reports the error); nor does a plan
+    whose kernels are not compiled ahead (``enabled``)."""
+    if not enabled(plan.device):
+        return []
     saved = dict(vars(plan))
     try:
         plan.configure(config)

@@ -345,7 +345,7 @@ class TurboLaunch:
     def warm_config(self, config) -> list[precompile.Warm]:
         """Compile the launches (without GradScaler's tensors) of ``config`` in the background and
         stay on the current config (the tuner's compile-ahead); nothing to do off CUDA."""
-        if self._grads is None or not precompile.enabled(self.device):
+        if self._grads is None:  # the interpreter's single-tensor launches
             return []
         return precompile.warm_config(self, config, lambda: self._placeholder_launches(False))
 
