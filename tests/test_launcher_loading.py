@@ -24,10 +24,15 @@ PyMODINIT_FUNC PyInit_%s(void) { return PyModule_Create(&def); }
 """
 
 
+def _cpython_loader():
+    """Triton's loader as it is without ``launcher_loading``'s wrapper."""
+    return getattr(build._load_module_from_path, "__wrapped__", build._load_module_from_path)
+
+
 @pytest.fixture(scope="module")
 def paths():
     """Files of four single-phase modules named NAME whose value() returns 0, 1, 2, 3."""
-    raw = getattr(build._load_module_from_path, "__wrapped__", build._load_module_from_path)
+    raw = _cpython_loader()
     original, build._load_module_from_path = build._load_module_from_path, raw
     try:
         return [build.compile_module_from_src(SOURCE % (i, NAME, NAME), NAME).__file__ for i in range(4)]
@@ -38,7 +43,7 @@ def paths():
 def test_a_second_load_of_one_file_changes_the_module_another_load_returned(paths):
     # The failure the wrapper exists for, with CPython's own loading: if this stops holding, the
     # wrapper is no longer needed (and this test says so).
-    raw = getattr(build._load_module_from_path, "__wrapped__", build._load_module_from_path)
+    raw = _cpython_loader()
     raw(NAME, paths[0])
     b = raw(NAME, paths[1])
     raw(NAME, paths[0])  # a second load of the first file
@@ -46,7 +51,7 @@ def test_a_second_load_of_one_file_changes_the_module_another_load_returned(path
 
 
 def test_the_private_loader_keeps_what_each_load_returned(paths):
-    raw = getattr(build._load_module_from_path, "__wrapped__", build._load_module_from_path)
+    raw = _cpython_loader()
     load = launcher_loading.private_loader(raw)
     a, b = load(NAME, paths[0]), load(NAME, paths[1])
     load(NAME, paths[0])
@@ -55,7 +60,7 @@ def test_the_private_loader_keeps_what_each_load_returned(paths):
 
 
 def test_threads_loading_at_once_each_get_their_own_file(paths):
-    raw = getattr(build._load_module_from_path, "__wrapped__", build._load_module_from_path)
+    raw = _cpython_loader()
     load = launcher_loading.private_loader(raw)
     got, start = {}, threading.Barrier(8)
 
