@@ -17,8 +17,9 @@ Per configuration: ``iter_ms`` (forward + backward + step, median of the timed i
 for ``shard+``),
 ``step_ms`` (``opt.step()`` alone, with its all-gather for ZeRO-2), ``exposed_comm_ms`` (time the
 GPU spent in communication kernels while no compute kernel ran, from the profiler's kernel
-intervals of ``--profiled`` back-to-back iterations and one more forward, per iteration, averaged
-over the ranks, the median of ``--windows`` such windows),
+intervals of ``--windows`` windows of ``--profiled`` back-to-back iterations and one more forward,
+cut into iterations at marker kernels: the median over the iterations of the ranks' mean; by
+collective in a section below the table),
 ``peak_gib`` (``max_memory_allocated`` over the timed iterations) and
 ``state_gib`` (this rank's optimizer state). At one rank the collectives are copies: the figures
 show the layer's overhead, not its scaling; the multi-GPU figures need several GPUs.
@@ -50,7 +51,7 @@ from kernel_factory.optimizers.muon.optimizer import uses_muon  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_dist"
 OURS = ("ours", "adam_mini", "muon", "turbo_adam", "adafactor")  # "ours": our AdamW
 CONFIGS = (*(f"fsdp2+{o}" for o in OURS), "fsdp2+torch_fused", "fsdp2+torch_muon", "fsdp2+muon_gather",
-           "zero2_ours", "zero2_overlap", "ddp+torch_fused",
+           "zero2_ours", "zero2_overlap", "zero2_units", "ddp+torch_fused",
            *(f"1gpu+{o}" for o in OURS), *(f"shard+{o}" for o in OURS))  # fmt: skip
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -166,30 +167,79 @@ def build(config: str, model_config: ModelConfig, device: torch.device, world: i
         return model, DistributedAdamW(model.parameters(), **HYPER)
     if config == "zero2_overlap":  # the parameters' all-gathers finished by the next forward, layer by layer
         return model, DistributedAdamW(model.parameters(), gather_in_forward=[*model.layers, model], **HYPER)
+    if config == "zero2_units":  # the same, each module of the forward's order its own unit: the first
+        # layer waits for the embedding's gather only, not the output head's too (as under the model's)
+        units = [model.embed_tokens, *model.layers, model.norm, model.lm_head]
+        return model, DistributedAdamW(model.parameters(), gather_in_forward=units, **HYPER)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return ddp, torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
+COLLECTIVES = ("ReduceScatter", "AllGather", "AllReduce", "AllToAll", "SendRecv", "Broadcast", "Reduce")
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: one before each iteration of a profiled window
+
+
+def collective(name: str) -> str | None:
+    """The collective a kernel runs (``COLLECTIVES``, or "other" for an NCCL kernel of no known
+    kind), None for a compute kernel (no 'nccl' in its name)."""
+    if "nccl" not in name.lower():
+        return None
+    return next((c for c in COLLECTIVES if c.lower() in name.lower()), "other")
+
+
+def exposed_pieces(kernels: list[tuple[str, float, float]]) -> list[tuple[float, float, str]]:
+    """(start_us, end_us, collective) of the time covered by communication kernels and by no
+    compute kernel, in time order; a piece where several collectives run is the earliest-started
+    one's. ``kernels``: (name, start_us, end_us). One sweep over the kernels' edges."""
+    edges = []
+    for n, s, e in kernels:
+        if e > s:
+            edges += [(s, 1, n, e), (e, -1, n, s)]
+    edges.sort(key=lambda x: (x[0], x[1]))  # ends before starts at one instant
+    pieces, compute, comm = [], 0, {}  # comm: (start, name) of the running collective kernels -> count
+    last = None
+    for t, sign, name, other in edges:
+        if last is not None and t > last and compute == 0 and comm:
+            first = min(comm)[1]
+            if pieces and pieces[-1][1] == last and pieces[-1][2] == collective(first):
+                pieces[-1] = (pieces[-1][0], t, pieces[-1][2])
+            else:
+                pieces.append((last, t, collective(first)))
+        last = t
+        if collective(name) is None:
+            compute += sign
         else:
-            out.append([start, end])
-    return [tuple(i) for i in out]
+            key = (t if sign > 0 else other, name)
+            comm[key] = comm.get(key, 0) + sign
+            if not comm[key]:
+                del comm[key]
+    return pieces
 
 
 def exposed_ms(kernels: list[tuple[str, float, float]]) -> float:
     """Time (ms) covered by communication kernels (names with 'nccl') and by no other kernel;
     ``kernels``: (name, start_us, end_us)."""
-    comm = _merged([(s, e) for n, s, e in kernels if "nccl" in n.lower()])
-    compute = _merged([(s, e) for n, s, e in kernels if "nccl" not in n.lower()])
-    exposed = 0.0
-    for start, end in comm:
-        covered = sum(max(0.0, min(end, ce) - max(start, cs)) for cs, ce in compute)
-        exposed += (end - start) - covered
-    return exposed / 1e3
+    return sum(e - s for s, e, _ in exposed_pieces(kernels)) / 1e3
+
+
+def exposed_per_iteration(kernels: list[tuple[str, float, float]]) -> list[dict[str, float]]:
+    """Exposed communication (ms) by collective in each whole iteration of a profiled window: the
+    spans between consecutive markers (``MARKER`` kernels, one launched before each iteration and
+    one before the closing forward), the first span dropped. Its forward found no gathers of an
+    earlier step in flight (the window starts synchronized); every later span holds one forward
+    waiting for the previous step's gathers, one backward and one step. Exposed pieces that cross
+    a marker are cut there."""
+    marks = sorted(s for n, s, _ in kernels if MARKER in n)
+    pieces = exposed_pieces([k for k in kernels if MARKER not in k[0]])
+    out = []
+    for lo, hi in zip(marks[1:], marks[2:], strict=False):
+        by_kind: dict[str, float] = {}
+        for s, e, kind in pieces:
+            cut = min(e, hi) - max(s, lo)
+            if cut > 0:
+                by_kind[kind] = by_kind.get(kind, 0.0) + cut / 1e3
+        out.append(by_kind)
+    return out
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -252,22 +302,30 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
         iters.append(start.elapsed_time(end))
         steps.append(mid.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated(device) / 2**30
+    exposed, by_kind = profiled_exposed_ms(iteration, forward, args.profiled, args.windows)
     return dict(config=config, world=world, iter_ms=statistics.median(iters), step_ms=statistics.median(steps),
-                exposed_comm_ms=profiled_exposed_ms(iteration, forward, args.profiled, args.windows), peak_gib=peak,
-                state_gib=_state_bytes(opt) / 2**30)  # fmt: skip
+                exposed_comm_ms=exposed, peak_gib=peak,
+                state_gib=_state_bytes(opt) / 2**30, exposed_by=by_kind)  # fmt: skip
 
 
-def profiled_exposed_ms(iteration, forward, count: int, windows: int = 3) -> float:
-    """``exposed_ms`` per iteration, averaged over the ranks, the median over ``windows`` profiled
-    windows (``window_exposed_ms`` each).
+def profiled_exposed_ms(iteration, forward, count: int, windows: int = 3) -> tuple[float, dict[str, float]]:
+    """(median, by collective): the median over the whole iterations of ``windows`` profiled
+    windows (``window_exposed``: ``count - 1`` each) of the ranks' mean exposed communication,
+    and its mean per iteration over ranks and iterations by collective (ms).
 
     One window of one rank swung by several times between runs of the same configuration (DDP
-    0.6 to 9.3 ms an iteration on the 1072M slice): a rank's wait inside a collective for the
-    slowest peer counts as exposed, and host jitter moves those waits from window to window and
-    rank to rank. The mean over ranks weighs every rank's view; the median over windows drops a
-    window that caught one stall."""
-    per_window = [window_exposed_ms(iteration, forward, count) for _ in range(windows)]
-    return median_of_rank_means(gathered(per_window))
+    0.6 to 9.3 ms an iteration on the 1072M slice), and a window's mean still carries one stall: a
+    rank's wait inside a collective for the slowest peer counts as exposed, and host jitter moves
+    those waits from iteration to iteration and rank to rank. The mean over ranks weighs every
+    rank's view of an iteration (the collectives line the ranks' iterations up); the median over
+    iterations drops the ones that caught a stall."""
+    mine = [it for _ in range(windows) for it in window_exposed(iteration, forward, count)]
+    per_rank = gathered(mine)
+    totals = [[sum(it.values()) for it in rank] for rank in per_rank]
+    kinds = sorted({k for rank in per_rank for it in rank for k in it})
+    samples = sum(len(rank) for rank in per_rank)
+    by_kind = {k: sum(it.get(k, 0.0) for rank in per_rank for it in rank) / samples for k in kinds}
+    return median_of_rank_means(totals), by_kind
 
 
 def gathered(values: list[float]) -> list[list[float]]:
@@ -280,38 +338,44 @@ def gathered(values: list[float]) -> list[list[float]]:
 
 
 def median_of_rank_means(per_rank: list[list[float]]) -> float:
-    """``per_rank[r][w]``: rank r's figure of window w; the median over windows of the ranks' mean."""
+    """``per_rank[r][i]``: rank r's figure of iteration i; the median over iterations of the ranks' mean."""
     means = [sum(column) / len(column) for column in zip(*per_rank, strict=True)]
     return statistics.median(means)
 
 
-def window_exposed_ms(iteration, forward, count: int) -> float:
-    """``exposed_ms`` per iteration over one profiled window of ``count`` back-to-back iterations
-    closed by one more ``forward`` (no backward), the ranks lined up inside the profiler first.
+def window_exposed(iteration, forward, count: int) -> list[dict[str, float]]:
+    """``exposed_per_iteration`` over one profiled window of ``count`` back-to-back iterations
+    closed by one more ``forward`` (no backward), the ranks lined up inside the profiler first:
+    ``count - 1`` whole iterations.
 
     The closing forward is where a training loop's next forward would be: ZeRO-2 with
-    ``gather_in_forward`` leaves each step's all-gathers to it, so a window ending at the last
-    ``step()`` would count those gathers as exposed with no compute left to overlap them (and its
-    first forward finds the gathers from before the window already done: the window holds
-    ``count`` steps' gathers and ``count`` forwards waiting for them).
+    ``gather_in_forward`` leaves each step's all-gathers to it. An iteration's span runs from the
+    marker before its forward to the next one, so it holds the wait for the previous step's
+    gathers and the tail of its own step's, one step's worth.
 
     Starting the profiler can take each rank a different time (CUPTI's setup, the longest in a
     process's first window), so a barrier before it does not line the ranks up: the window's first
     collective would count the wait for the slowest peer. A marker all-reduce and a synchronize
-    inside the window line them up, and only the kernels after the marker are counted
-    (``after_marker``)."""
+    inside the window line them up, and only the kernels after it are counted (``after_marker``).
+    Without the iteration markers in the trace (none found where ``count + 1`` were launched)
+    the window counts as one iteration of its mean."""
     torch.cuda.synchronize()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
         torch.cuda.synchronize()
         for _ in range(count):
+            torch.cuda._sleep(1)
             iteration()
+        torch.cuda._sleep(1)
         forward()
         torch.cuda.synchronize()
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
-    return exposed_ms(after_marker(kernels)) / count
+    kernels = after_marker([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CUDA])  # fmt: skip
+    if sum(MARKER in n for n, _, _ in kernels) != count + 1:
+        print(f"bench_dist: {count + 1} iteration markers expected in the trace; the window's mean instead")
+        return [{"all": exposed_ms(kernels) / count}]
+    return exposed_per_iteration(kernels)
 
 
 def after_marker(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
@@ -336,6 +400,10 @@ def write_tables(
         iter_ms = "n/a" if r["iter_ms"] != r["iter_ms"] else f"{r['iter_ms']:.2f}"  # NaN: the step alone
         lines.append(f"| {r['config']} | {iter_ms} | {r['step_ms']:.2f} | {r['exposed_comm_ms']:.2f} | "
                      f"{r['peak_gib']:.2f} | {r['state_gib']:.3f} |")  # fmt: skip
+    split = [r for r in rows if r.get("exposed_by")]
+    if split:
+        lines += ["", "Exposed communication by collective, ms an iteration (mean over ranks and iterations):", ""]
+        lines += [f"- {r['config']}: {_kinds(r['exposed_by'])}" for r in split]
     if failed:
         lines += ["", "Failed (rank 0's errors):", *(f"- {f}" for f in failed)]
     lines += ["", f"Command: {command}"]
@@ -343,9 +411,13 @@ def write_tables(
     (args.out / f"bench_dist_w{world}.md").write_text("\n".join(lines) + "\n")
     with (args.out / f"bench_dist_w{world}.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["config", "world", "iter_ms", "step_ms", "exposed_comm_ms",
-                                               "peak_gib", "state_gib"])  # fmt: skip
+                                               "peak_gib", "state_gib", "exposed_by"])  # fmt: skip
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**r, "exposed_by": _kinds(r.get("exposed_by", {}))} for r in rows)
+
+
+def _kinds(by_kind: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items()) or "none"
 
 
 def main(argv=None) -> None:
@@ -359,18 +431,24 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--profiled", type=int, default=3, help="iterations in each profiled window of exposed_comm_ms")
-    ap.add_argument("--windows", type=int, default=3, help="profiled windows (exposed_comm_ms: their median)")
+    ap.add_argument("--profiled", type=int, default=5,
+                    help="iterations in each profiled window of exposed_comm_ms (the first of each not counted)")
+    ap.add_argument("--windows", type=int, default=3,
+                    help="profiled windows (exposed_comm_ms: the median of their iterations)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
+    ap.add_argument("--zero2-step", choices=("pipelined", "single"), default="pipelined",
+                    help="DistributedAdamW's step: the first-gathered bucket stepped between the halves of the "
+                         "rest, or one launch after every reduce-scatter")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.muon_stages < 1:
         ap.error("--muon-stages must be at least 1")
-    if args.profiled < 1 or args.windows < 1:
-        ap.error("--profiled and --windows must be at least 1")
+    if args.profiled < 2 or args.windows < 1:
+        ap.error("--profiled must be at least 2 (a window's first iteration is not counted) and --windows at least 1")
     ShardedMuonGroupPlan.stages = args.muon_stages
+    DistributedAdamW.pipelined_step = args.zero2_step == "pipelined"
     rank, world, device, launcher = _init()
     heads = args.heads or args.dim // 64
     model_config = ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=heads,

@@ -7,7 +7,15 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from benchmarks.bench_dist import after_marker, exposed_ms, gathered, median_of_rank_means, shard_params
+from benchmarks.bench_dist import (
+    after_marker,
+    collective,
+    exposed_ms,
+    exposed_per_iteration,
+    gathered,
+    median_of_rank_means,
+    shard_params,
+)
 from benchmarks.convergence.model import ModelConfig, TinyLlama
 from kernel_factory.optimizers.muon.optimizer import uses_muon
 
@@ -83,9 +91,28 @@ def _gathers_every_ranks_windows(rank: int, world: int) -> None:
     assert gathered([float(rank), 10.0 + rank]) == [[float(r), 10.0 + r] for r in range(world)]
 
 
-def test_the_exposed_figure_is_the_median_over_windows_of_the_ranks_mean():
+def test_the_exposed_figure_is_the_median_over_iterations_of_the_ranks_mean():
     run_ranks(2, _gathers_every_ranks_windows)
     assert gathered([1.0, 2.0]) == [[1.0, 2.0]]  # no process group: this process's own
-    # 2 ranks x 3 windows: the ranks' means 2, 9 (a stall on rank 1) and 3; their median 3
+    # 2 ranks x 3 iterations: the ranks' means 2, 9 (a stall on rank 1) and 3; their median 3
     assert median_of_rank_means([[1.0, 2.0, 2.0], [3.0, 16.0, 4.0]]) == pytest.approx(3.0)
     assert median_of_rank_means([[5.0]]) == pytest.approx(5.0)
+
+
+def test_exposed_communication_is_cut_into_iterations_at_the_markers_and_named_by_collective():
+    # markers at 0, 100, 200, 300 (the last before the closing forward): spans [100, 200), [200, 300)
+    # count; the first span [0, 100) does not (no earlier step's gathers were in flight in it)
+    kernels = [("spin_kernel", 0.0, 1.0), ("ncclDevKernel_ReduceScatter_Sum_bf16", 50.0, 80.0),
+               ("spin_kernel", 100.0, 101.0), ("gemm", 101.0, 150.0),
+               ("ncclDevKernel_AllGather_RING_LL", 140.0, 230.0),  # 10 us under the gemm, cut at 200
+               ("spin_kernel", 200.0, 201.0), ("gemm", 230.0, 260.0),
+               ("ncclDevKernel_ReduceScatter_Sum_bf16", 250.0, 280.0),  # 10 us under the gemm
+               ("ncclDevKernel_AllReduce_Sum_f32", 270.0, 290.0),  # overlaps the reduce-scatter: its own 10
+               ("spin_kernel", 300.0, 301.0), ("ncclDevKernel_AllGather_RING_LL", 310.0, 340.0)]  # fmt: skip
+    spans = exposed_per_iteration(kernels)
+    assert len(spans) == 2
+    assert spans[0] == pytest.approx({"AllGather": 0.050})
+    assert spans[1] == pytest.approx({"AllGather": 0.030, "ReduceScatter": 0.020, "AllReduce": 0.010})
+    # counted whole, the marker at 200 is a compute kernel covering 1 us of the gather
+    assert exposed_ms(kernels) == pytest.approx((30 + 80 - 1 + 20 + 10 + 30) / 1e3)
+    assert collective("gemm") is None and collective("ncclKernel_Unknown") == "other"

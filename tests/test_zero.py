@@ -5,6 +5,7 @@ move to FSDP2 (with ours or torch.optim.AdamW) and other world sizes, and what i
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from zero_probe import (
     zero_equal_to_one_process,
     zero_gathers_in_forward,
     zero_gathers_in_the_forward_order,
+    zero_steps_the_first_gathered_bucket_between_halves,
 )
 
 from kernel_factory.optimizers import AdamW, DistributedAdamW
+from kernel_factory.optimizers.adamw.distributed import _pipeline
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])  # ours under the interpreter; the reference
@@ -45,6 +48,23 @@ def test_parameter_gathers_left_to_the_next_forward_give_the_same_steps():
 
 def test_parameter_gathers_go_out_in_the_order_the_forward_asks_for_them():
     run_ranks(2, zero_gathers_in_the_forward_order)
+
+
+def test_the_first_gathered_bucket_steps_between_the_halves_of_the_others():
+    run_ranks(2, zero_steps_the_first_gathered_bucket_between_halves)
+
+
+def test_the_step_pipeline_cuts_the_other_buckets_in_halves_by_elements():
+    def bucket(n: int) -> SimpleNamespace:
+        return SimpleNamespace(piece_numel=n)
+
+    big, small, first = bucket(100), bucket(10), bucket(50)
+    assert _pipeline([first], first) == ([], [first], [])
+    assert _pipeline([big, first], first) == ([big], [first], [])  # its midpoint is in the first half
+    buckets = [small, small, big, small, first]
+    assert _pipeline(buckets, first) == ([small, small], [first], [big, small])
+    even = [bucket(10) for _ in range(6)]
+    assert _pipeline([*even, first], first) == (even[:3], [first], even[3:])
 
 
 def _train(model, opt, steps, rank, world, first=0):

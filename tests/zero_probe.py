@@ -10,6 +10,7 @@ from distributed import use_gpu
 from fsdp_probe import Probe, shard_of, targets
 
 from kernel_factory.optimizers import AdamW, DistributedAdamW
+from kernel_factory.optimizers.adamw.distributed import _pipeline
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
 TINY_BUCKETS = 1e-4  # MiB: a few parameters per bucket, so that several reduce-scatters go out
@@ -155,3 +156,35 @@ def zero_gathers_in_the_forward_order(rank: int, world: int, device: str = "cpu"
     opts[1].wait_params()
     for p, q in zip(eager.parameters(), deferred.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def zero_steps_the_first_gathered_bucket_between_halves(rank: int, world: int) -> None:
+    """The bucket the next forward needs first (the first layer's, reduce-scattered last) is
+    stepped between the two halves of the others: when its all-gather goes out, the parameters of
+    the first half are updated and those of the second half not yet; the other gathers follow."""
+    os.environ["KERNEL_FACTORY_BACKEND"] = "torch"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(6)))
+    opt = DistributedAdamW(model.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER)
+    grads = opt._grads
+    assert len(grads.buckets) >= 4
+    old = [p.detach().clone() for p in model.parameters()]
+    seen: list[tuple] = []
+    launch = grads.launch_gather
+
+    def record(bucket) -> None:
+        moved = {id(p) for p, q in zip(model.parameters(), old, strict=True) if not torch.equal(p, q)}
+        seen.append((bucket, moved))
+        launch(bucket)
+
+    grads.launch_gather = record
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    first, moved = seen[0]
+    assert first is grads.buckets[-1]  # model.0's parameters: backward's last
+    assert [b for b, _ in seen[1:]] == list(reversed(grads.buckets[:-1]))
+    first_half, _, second_half = _pipeline(grads.buckets, first)
+    assert first_half and second_half
+    stepped = {id(p) for b in [*first_half, first] for p in b.params}
+    assert moved == stepped, (len(moved), len(stepped))
+    assert len(seen[-1][1]) == sum(p.numel() > 0 for p in model.parameters())

@@ -2,10 +2,11 @@
 
 Every rank holds the whole model; each owns FSDP2's dim-0 shard of every parameter (``torch.chunk``
 rows, tail ranks possibly empty) and keeps AdamW's state for that shard only. Gradients are
-reduce-scattered in buckets while backward runs (``shared/zero_buckets``), one fused AdamW launch
-per group updates the local shards in place, and an all-gather per bucket brings the other ranks'
-rows back. The states are ``Shard(0)`` DTensors of the parameters' global shapes, so DCP saves them
-as FSDP2 + ``torch.optim.AdamW`` would, and either loads the other's checkpoint at any world size.
+reduce-scattered in buckets while backward runs (``shared/zero_buckets``), fused AdamW launches
+update the local shards in place (three per group: ``_pipeline``), and an all-gather per bucket
+brings the other ranks' rows back. The states are ``Shard(0)`` DTensors of the parameters' global
+shapes, so DCP saves them as FSDP2 + ``torch.optim.AdamW`` would, and either loads the other's
+checkpoint at any world size.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class DistributedAdamW(AdamW):
     """
 
     _step_supports_amp_scaling = True  # so that GradScaler hands us grad_scale, and we refuse it
+    # False: one launch per group once every reduce-scatter is in, then every all-gather (the
+    # baseline of the pipelined step in ``benchmarks/bench_dist.py --zero2-step single``)
+    pipelined_step = True
 
     def __init__(
         self,
@@ -180,23 +184,23 @@ class DistributedAdamW(AdamW):
         super().zero_grad(set_to_none)
         self._grads.discard()
 
-    def _reduced_grads(self) -> list:
-        """This iteration's gradient buckets, reduced (``ZeroGrads.finish``, idempotent), with each
-        shard param's ``.grad`` a Shard(0) DTensor over its rows of the bucket's reduced buffer."""
-        buckets = self._grads.finish()
-        for b in buckets:
-            for p, shard in zip(b.params, b.shards, strict=True):
-                shard_param = self._shards[id(p)][1]
-                if shard_param.grad is None:  # the reduced buffer stays put: grad tables are built once
-                    shard_param.grad = self._as_shard(p, shard.piece(b.reduced).view_as(shard_param.to_local()))
-        return buckets
+    def _reduced(self, bucket) -> None:
+        """Wait for ``bucket``'s reduce-scatters; each of its shard params' ``.grad`` is then a
+        Shard(0) DTensor over its rows of the bucket's reduced buffer."""
+        bucket.wait()
+        for p, shard in zip(bucket.params, bucket.shards, strict=True):
+            shard_param = self._shards[id(p)][1]
+            if shard_param.grad is None:  # the reduced buffer stays put: grad tables are built once
+                shard_param.grad = self._as_shard(p, shard.piece(bucket.reduced).view_as(shard_param.to_local()))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` for this optimizer's gradients, which after backward
         live reduced and sharded here (the parameters' ``.grad`` are None): call between backward
         and ``step()``. Returns the total norm (0-d fp32, the same on every rank)."""
-        buckets = self._reduced_grads()
+        buckets = self._grads.launch_rest()
+        for b in buckets:
+            self._reduced(b)
         shard_params = [self._shards[id(p)][1] for b in buckets for p in b.params if id(p) in b.got]
         return clip_grad_norm_(shard_params, max_norm, norm_type, error_if_nonfinite)
 
@@ -213,16 +217,45 @@ class DistributedAdamW(AdamW):
             refuse_ddp([p for g in self.param_groups for p in g["params"]], "DistributedAdamW")
             self._ddp_checked = True
         self._grads.wait_params()  # the last step's gathers, where no forward came between
-        buckets = self._reduced_grads()
-        got = {i for b in buckets for i in b.got}
+        buckets = self._grads.launch_rest()
+        order = self._grads.gather_order(buckets)
         states = self._shard_states()
+        # pipelined: the bucket the next forward needs first stepped between the halves of the rest
+        stages = _pipeline(buckets, order[0]) if buckets and self.pipelined_step else ([], [], buckets)
         with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
-            for index, group in enumerate(self.param_groups):
-                params = [self._shards[id(p)][1] for p in group["params"] if id(p) in got]
-                if params:
-                    plan = group_plan(self._plans, index, params, states, group, self.backend)
-                    plan.run(group, None, None)
-                    telemetry.watch("amax_update", plan.update_amax)
-        self._grads.all_gather_params(buckets, defer=bool(self._module_hooks))
+            for part, stage in enumerate(stages):
+                for b in stage:
+                    self._reduced(b)
+                got = {i for b in stage for i in b.got}
+                for index, group in enumerate(self.param_groups):
+                    params = [self._shards[id(p)][1] for p in group["params"] if id(p) in got]
+                    if params:
+                        plan = group_plan(self._plans, (index, part), params, states, group, self.backend)
+                        plan.run(group, None, None)
+                        telemetry.watch("amax_update", plan.update_amax)
+                if part == 1:  # the bucket the next forward needs first: out while the rest steps
+                    for b in stage:
+                        self._grads.launch_gather(b)
+        for b in order[len(stages[1]) :]:
+            self._grads.launch_gather(b)
+        if not self._module_hooks:
+            self._grads.wait_params()
         self._grads.done()
         return loss
+
+
+def _pipeline(buckets: list, first) -> tuple[list, list, list]:
+    """The three stages of a step over ``buckets`` (launch order), so that the two collectives
+    nothing else can hide do not wait in line: ``first`` (the bucket whose all-gather the next
+    forward needs first; in a plain model the first layers' and embeddings', the last bucket
+    backward reduce-scatters) is stepped between the two halves (by elements) of the others. Its
+    reduce-scatter, launched as backward ends, finishes while the first half steps; its all-gather
+    goes out while the second half steps. Every bucket before ``first`` in launch order had its
+    reduce-scatter issued before it, so the first half rarely waits."""
+    rest = [b for b in buckets if b is not first]
+    half, before = sum(b.piece_numel for b in rest) / 2, 0
+    cut = 0
+    while cut < len(rest) and before + rest[cut].piece_numel / 2 <= half:
+        before += rest[cut].piece_numel
+        cut += 1
+    return rest[:cut], [first], rest[cut:]

@@ -7,7 +7,7 @@ rest of backward runs. Buckets are launched in one order on every rank (their in
 in reverse, roughly the order backward produces them), so every rank issues the same collectives.
 ``finish()`` flushes what backward left (buckets some of whose parameters got no gradient: their
 slots are zeros) and returns each parameter's averaged local gradient; after the optimizer has
-stepped the shards, ``all_gather_params()`` brings every rank's rows back into the full parameters.
+stepped the shards, ``launch_gather()`` brings every rank's rows back into the full parameters.
 
 Like DDP without ``find_unused_parameters``, every rank must produce gradients for the same
 parameters in an iteration. Backward passes inside ``no_sync()`` leave gradients in ``.grad`` to
@@ -121,15 +121,19 @@ class ZeroGrads:
         if self._next == len(self.buckets):
             self._next = 0  # a whole round went out; another backward starts the next
 
-    def finish(self) -> list[GradBucket]:
-        """Launch what this round left (buckets with some gradients), wait for every reduce-scatter
-        of the iteration, and return the buckets that got gradients; their ``got`` and ``reduced``
-        say which parameters and what (this rank's rows, averaged). Call ``done()`` after the step."""
+    def launch_rest(self) -> list[GradBucket]:
+        """Launch what this round left (buckets with some gradients) and return the buckets that got
+        gradients this iteration, in launch order: ``GradBucket.wait`` one before reading its
+        ``reduced``, its ``got`` says which parameters. Call ``done()`` after the step."""
         for bucket in self.buckets[self._next :]:
             if bucket.ready:
                 bucket.launch(self.group)
         self._next = 0
-        stepped = [b for b in self.buckets if b.got]
+        return [b for b in self.buckets if b.got]
+
+    def finish(self) -> list[GradBucket]:
+        """``launch_rest()``, then wait for every reduce-scatter of the iteration."""
+        stepped = self.launch_rest()
         for bucket in stepped:
             bucket.wait()
         return stepped
@@ -146,26 +150,25 @@ class ZeroGrads:
             bucket.rounds, bucket.send, bucket.ready, bucket.got = [], None, set(), set()
         self._next = 0
 
-    def all_gather_params(self, buckets: list[GradBucket], defer: bool = False) -> None:
-        """Every rank's updated rows of the parameters of ``buckets`` into the full parameters: one
-        all-gather per bucket, all launched before the first wait, in the order the forward hooks
-        asked for them last time (``wait_params``), else the first layers' (the last buckets)
-        first; packing and unpacking are one foreach copy per bucket. ``defer``: leave them in
-        flight for ``wait_params`` (the next forward's hooks)."""
-        self.wait_params()  # none may be pending under new ones: the same rows would be written twice
+    def gather_order(self, buckets: list[GradBucket]) -> list[GradBucket]:
+        """``buckets`` in the order their all-gathers go out: that in which the forward hooks asked
+        for them last time (``wait_params``), else the first layers' (the last buckets) first.
+        Reading it starts the next round of requests."""
         # The collectives go out in one order on every rank: the hooks fire in the forward's module
         # order, the same on every rank. A model's own hook fires before its layers' and may ask
         # for its last layer's bucket (an output head) at once: parameter order would send that last.
         asked = {i: n for n, i in enumerate(self._asked)}
         self._asked = {}
-        for b in sorted(reversed(buckets), key=lambda b: asked.get(id(b), len(asked))):
-            send = torch.empty(b.piece_numel, dtype=b.params[0].dtype, device=b.params[0].device)
-            mine = [s.local_rows(p.detach()).reshape(-1) for p, s in zip(b.params, b.shards, strict=True)]
-            torch._foreach_copy_([s.piece(send) for s in b.shards], mine)
-            out = torch.empty(b.world * b.piece_numel, dtype=send.dtype, device=send.device)
-            self.pending[id(b)] = (b, all_gather(out, send, self.group), out, send)
-        if not defer:
-            self.wait_params()
+        return sorted(reversed(buckets), key=lambda b: asked.get(id(b), len(asked)))
+
+    def launch_gather(self, b: GradBucket) -> None:
+        """All-gather every rank's rows of ``b``'s parameters, asynchronously (packing is one
+        foreach copy); ``wait_params`` unpacks them. None of ``b`` may be pending already."""
+        send = torch.empty(b.piece_numel, dtype=b.params[0].dtype, device=b.params[0].device)
+        mine = [s.local_rows(p.detach()).reshape(-1) for p, s in zip(b.params, b.shards, strict=True)]
+        torch._foreach_copy_([s.piece(send) for s in b.shards], mine)
+        out = torch.empty(b.world * b.piece_numel, dtype=send.dtype, device=send.device)
+        self.pending[id(b)] = (b, all_gather(out, send, self.group), out, send)
 
     def wait_params(self, buckets: list[GradBucket] | None = None) -> None:
         """Finish the pending all-gathers of ``buckets`` (default: all), in launch order: wait, then
@@ -183,7 +186,7 @@ class ZeroGrads:
 
     def buckets_of(self, params: list[Tensor]) -> list[GradBucket]:
         """The buckets that hold any of ``params`` (those these buckets know), the last bucket first:
-        the first layers' first, the order ``all_gather_params`` sends what no hook asked for."""
+        the first layers' first, the order ``gather_order`` gives what no hook asked for."""
         found = {id(p) for p in params}
         return [b for b in reversed(self.buckets) if any(id(p) in found for p in b.params)]
 
