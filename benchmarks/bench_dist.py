@@ -2,8 +2,10 @@
 and peak memory, for FSDP2 + each of our optimizers (AdamW, AdamMini with FP8 momentum, Muon,
 TurboAdam, Adafactor), FSDP2 + torch's fused AdamW, FSDP2 + torch.optim.Muon (DTensor ops),
 FSDP2 + our Muon with every rank gathering and orthogonalizing every matrix (``muon_gather``, the
-baseline of the owner scheme), our ZeRO-2 DistributedAdamW (``zero2_overlap``: its parameters'
-all-gathers left to the next forward, ``gather_in_forward``) and DDP + torch's fused AdamW, on a
+baseline of the owner scheme), our ZeRO-2 DistributedAdamW (``zero2_ours``: gathers in the step;
+``zero2_overlap``: its parameters' all-gathers left to the next forward, FSDP2's units, the layers
+then the model; ``zero2_units``: the same, each module of the forward its own unit, the
+embedding, the layers, the norm, the head) and DDP + torch's fused AdamW, on a
 Llama-shaped model (benchmarks/convergence/model.py); each of our optimizers on
 the unwrapped model (``1gpu+...``: the whole model on every rank, no communication); and, for the
 per-rank step against one GPU, each of our optimizers stepping plain tensors shaped as this rank's

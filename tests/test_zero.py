@@ -38,6 +38,10 @@ def test_gradients_accumulated_under_no_sync_are_reduced_once_and_stepped_bitwis
     run_ranks(2, zero_equal_to_one_process, "triton", "cpu", 3)
 
 
+def test_the_single_launch_step_is_bitwise_the_one_process_step_too():
+    run_ranks(2, zero_equal_to_one_process, "triton", "cpu", 1, False)
+
+
 def test_distributed_adamw_clips_the_reduced_gradients_like_one_process():
     run_ranks(2, zero_clips_like_one_process)
 

@@ -25,10 +25,13 @@ def micro_targets(step: int, micro: int, rank: int, world: int, device: str) -> 
     return targets(step * 8 + micro, rank, world, device)
 
 
-def zero_equal_to_one_process(rank: int, world: int, backend: str, device: str = "cpu", micro: int = 1) -> None:
+def zero_equal_to_one_process(rank: int, world: int, backend: str, device: str = "cpu", micro: int = 1,
+                              pipelined: bool = True) -> None:  # fmt: skip
     """4 steps of ``micro`` backward passes each (all but the last inside ``no_sync``): parameters
-    and state shards bitwise those of one process on the averaged summed gradients."""
+    and state shards bitwise those of one process on the averaged summed gradients, with the
+    pipelined step (three launches) or the single launch (``DistributedAdamW.pipelined_step``)."""
     os.environ["KERNEL_FACTORY_BACKEND"] = backend
+    DistributedAdamW.pipelined_step = pipelined
     _device_setup(device)
     model = Probe().to(device)
     opt = DistributedAdamW(model.parameters(), bucket_cap_mb=TINY_BUCKETS, **HYPER)

@@ -37,13 +37,19 @@ class DistributedAdamW(AdamW):
     reduce-scattered together; 400, not DDP's 25: each bucket costs a reduce-scatter and an
     all-gather launched from Python, and each lines the ranks up; at 25 MB a 1B-parameter model's
     ~80 collectives an iteration made it a third slower, see docs/distributed.md) and
-    ``gather_in_forward``: modules listed as
-    FSDP2's units would be (e.g. each decoder layer, then the model). Given, ``step()`` leaves the
-    updated parameters' all-gathers in flight, and each listed module's next forward first waits
-    for those of the parameters it holds (less those of a module listed before it), so the
-    gathers overlap the forward's compute. A parameter is current once the forward of the module
-    that holds it has begun, after ``wait_params()``, or in a listed module's ``state_dict()``
-    (as FSDP2's, a parameter read outside its module's forward before then is last step's).
+    ``gather_in_forward``: modules in the order the forward runs them, each holding the
+    parameters it uses, e.g. ``[model.embed_tokens, *model.layers, model.norm, model.lm_head]``.
+    Given, ``step()`` leaves the updated parameters' all-gathers in flight, and each listed
+    module's next forward first waits for those of the parameters it holds (less those of a module
+    listed before it), so the gathers overlap the forward's compute. (FSDP2's units, the layers
+    and then the model, work too, but the model's hook fires first and waits for the output
+    head's gathers with the embedding's: more of the gathers exposed, see docs/distributed.md.)
+    The step itself runs in three launches: the bucket the next forward needs first is stepped
+    between the two halves of the others, so its reduce-scatter (backward's last) finishes
+    under the first half and its all-gather goes out under the second. A parameter is current
+    once the forward of the module that holds it has begun, after ``wait_params()``, or in a
+    listed module's ``state_dict()`` (as FSDP2's, a parameter read outside its module's forward
+    before then is last step's).
     The gathers go out in the order the hooks asked for them in the last forward, so every rank
     must run the listed modules' forwards in the same order (as it must produce the same grads).
 
@@ -65,7 +71,7 @@ class DistributedAdamW(AdamW):
 
     _step_supports_amp_scaling = True  # so that GradScaler hands us grad_scale, and we refuse it
     # False: one launch per group once every reduce-scatter is in, then every all-gather (the
-    # baseline of the pipelined step in ``benchmarks/bench_dist.py --zero2-step single``)
+    # baseline of the pipelined step: ``benchmarks/bench_dist.py --zero2-step single``)
     pipelined_step = True
 
     def __init__(
