@@ -5,9 +5,10 @@ through buckets: a post-accumulate-grad hook copies a parameter's gradient into 
 rank-major send buffer and frees it; a full bucket is reduce-scattered asynchronously while the
 rest of backward runs. Buckets are launched in one order on every rank (their index: parameters
 in reverse, roughly the order backward produces them), so every rank issues the same collectives.
-``finish()`` flushes what backward left (buckets some of whose parameters got no gradient: their
-slots are zeros) and returns each parameter's averaged local gradient; after the optimizer has
-stepped the shards, ``launch_gather()`` brings every rank's rows back into the full parameters.
+``launch_rest()`` flushes what backward left (buckets some of whose parameters got no gradient:
+their slots are zeros) and a bucket's ``wait()`` gives its parameters' averaged local gradients;
+after the optimizer has stepped a bucket's shards, ``launch_gather()`` brings every rank's rows
+back into the full parameters.
 
 Like DDP without ``find_unused_parameters``, every rank must produce gradients for the same
 parameters in an iteration. Backward passes inside ``no_sync()`` leave gradients in ``.grad`` to
@@ -130,13 +131,6 @@ class ZeroGrads:
                 bucket.launch(self.group)
         self._next = 0
         return [b for b in self.buckets if b.got]
-
-    def finish(self) -> list[GradBucket]:
-        """``launch_rest()``, then wait for every reduce-scatter of the iteration."""
-        stepped = self.launch_rest()
-        for bucket in stepped:
-            bucket.wait()
-        return stepped
 
     def done(self) -> None:
         for bucket in self.buckets:
