@@ -13,10 +13,11 @@ version it was tuned on, then the family's seed configs) over the family's tunab
   trial and never retried: a config seen before is answered from the study, not rerun;
 - objectives are always finite (failed trials are FAIL, not NaN);
 - a task that can compile configs without switching to them (``precompile(configs)``) gets
-  PRECOMPILE_BATCH trials asked at once (TPE's constant liar keeps them apart) and their kernels
-  compiled in parallel on background threads before the first of them is checked and timed
-  (nothing compiles while one is timed): a trial's compile, seconds for AdamMini's and
-  TurboAdam's kernels on one thread, was most of its time;
+  trials asked in batches (1, 2, 4, ... up to PRECOMPILE_BATCH, none larger than the time left
+  runs; TPE's constant liar keeps them apart) and their kernels compiled in parallel on
+  background threads before the first of them is checked and timed (nothing compiles while one
+  is timed): a trial's compile, seconds for AdamMini's and TurboAdam's kernels on one thread, was
+  most of its time;
 - at the end the winner and the default are timed again, alternately, and the cache records
   those paired times: a config timed while the GPU was still warming up (the default, timed
   first) or one timed on a lucky run cannot win or lose by it. If the default is as fast in
@@ -218,18 +219,31 @@ def _sampler(seed: int):
 
 def _optimize(study, objective, after, n_trials: int, seconds: float, batch: int, prepare, fresh) -> None:
     """``study.optimize(objective, n_trials, timeout=seconds, catch=(Exception,), callbacks=[after])``
-    in batches of ``batch`` asked trials: ``prepare`` (a task's ``precompile``) gets the configs of
-    a batch that ``fresh`` says would compile before the first of them runs. Every asked trial is
-    told, so none is left running in storage: those the deadline leaves unrun are pruned as
-    ``skipped`` (neither counted nor taken for configs seen: a resumed study may run them)."""
+    in batches of asked trials: ``prepare`` (a task's ``precompile``) gets the configs of a batch
+    that ``fresh`` says would compile before the first of them runs. Every asked trial is told, so
+    none is left running in storage: those the deadline leaves unrun are pruned as ``skipped``
+    (neither counted nor taken for configs seen: a resumed study may run them).
+
+    Batches start at one trial and double up to ``batch``, and none holds more trials than the
+    time left runs at the last batch's seconds per compiled trial (its compile included): compiles
+    the deadline would leave unrun are not started. (AdamMini's model buckets on an H200 took 151 s to
+    their first trial with a first batch of eight, where a key had 30 s.)"""
     import optuna
 
     deadline = time.monotonic() + seconds
-    done = 0
+    done, size, per_trial = 0, 1, 0.0
     while done < n_trials and time.monotonic() < deadline:
-        asked = [study.ask() for _ in range(min(batch, n_trials - done))]
+        start = time.monotonic()
+        count = min(size, n_trials - done)
+        if per_trial > 0:
+            count = min(count, int((deadline - start) / per_trial))
+            if not count:
+                break  # not one more trial's time left: compile nothing the deadline would cut
+        asked = [study.ask() for _ in range(count)]
+        compiled = len(asked)
         if prepare is not None:
             configs = [c for c in map(fresh, asked) if c is not None]
+            compiled = len(configs)
             if configs:
                 prepare(configs)
         for trial in asked:
@@ -245,6 +259,9 @@ def _optimize(study, objective, after, n_trials: int, seconds: float, batch: int
                 frozen = study.tell(trial, state=optuna.trial.TrialState.FAIL)
             after(study, frozen)
         done += len(asked)
+        # the pace of a trial that compiles (repeats and illegal configs cost next to nothing)
+        per_trial = (time.monotonic() - start) / max(1, compiled)
+        size = min(batch, 2 * size)
 
 
 def _paired_timing(task: TuningTask, timer: Timer, result: KeyResult, rounds: int) -> None:

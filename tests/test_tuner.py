@@ -216,23 +216,73 @@ def test_a_precompiling_task_gets_each_batch_of_configs_before_they_run(tmp_path
     assert all(t.state.is_finished() for t in study.trials)  # no asked trial left running
 
 
-def test_the_budget_stops_a_batch_too_and_leaves_its_rest_for_a_resume(tmp_path):
-    # Trials of 0.2 s and a 1.2 s budget: the first batch of 8 is cut, its unrun trials told
-    # as skipped (not counted, not taken as seen), none left running; a resumed study runs on.
-    import time
+class FakeClock:
+    """The tuner's ``time``: ``monotonic()`` moves only when a fake task's work says so."""
 
-    def slow(task):
-        time.sleep(0.2)
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    from kernel_factory.generator import tuner
+
+    fake = FakeClock()
+    monkeypatch.setattr(tuner, "time", fake)
+    return fake
+
+
+class TimedPrecompiling(Precompiling):
+    """Precompiling, with a compile of ``compile_s`` a config (as if one after the other) and a
+    timed run of ``run_s(n)`` for the n-th run, on the fake clock."""
+
+    def __init__(self, task, clock: FakeClock, compile_s: float, run_s) -> None:
+        super().__init__(task)
+        self.clock, self.compile_s, self.run_s = clock, compile_s, run_s
+
+    def precompile(self, configs):
+        super().precompile(configs)
+        self.clock.now += self.compile_s * len(configs)
+
+    def timer(self, task):
+        self.clock.now += self.run_s(len(self.configured))
         return timer(task)
 
-    task = Precompiling(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
-    (result,) = _tune(task, tmp_path, trials=30, minutes=0.02, timer=slow)
-    study = optuna.load_study(study_name=f"cpu/adamw/{task.variant}/float32/512",
-                              storage=f"sqlite:///{tmp_path / 'studies.db'}")  # fmt: skip
-    skipped = [t for t in study.trials if "skipped" in t.user_attrs]
-    assert skipped and 1 <= result.trials == len(task.configured) < PRECOMPILE_BATCH
-    assert all(t.state.is_finished() for t in study.trials)
-    (again,) = _tune(task, tmp_path, trials=30, minutes=0.5)
+
+def _study(task, tmp_path):
+    return optuna.load_study(study_name=f"cpu/adamw/{task.variant}/float32/512",
+                             storage=f"sqlite:///{tmp_path / 'studies.db'}")  # fmt: skip
+
+
+def test_batches_double_from_one_and_hold_no_more_trials_than_the_time_left_runs(tmp_path, clock):
+    # 1 s to compile a config, 0.1 s to time one, 9 s for the key: batch i asks at most 2^i trials
+    # (some are repeats or illegal, which compile nothing), the last ones fit the time left, and
+    # nothing compiled is left unrun.
+    task = TimedPrecompiling(AdamWTuningTask(SHAPES, torch.float32, "cpu"), clock, 1.0, lambda n: 0.1)
+    (result,) = _tune(task, tmp_path, trials=40, minutes=9 / 60, timer=task.timer)
+    sizes = [len(b) for b in task.batches]
+    assert sizes[0] == 1 and all(1 <= n <= min(2**i, PRECOMPILE_BATCH) for i, n in enumerate(sizes))
+    assert task.batches[0] == [dict(ADAMW.default_config)]
+    queued = [c for b in task.batches for c in b]
+    assert sorted(map(str, queued)) == sorted(map(str, task.configured))  # every compiled config ran
+    assert not [t for t in _study(task, tmp_path).trials if "skipped" in t.user_attrs]
+    assert clock.now <= 9.0 + 1e-9 and result.trials >= len(task.configured)
+
+
+def test_the_budget_stops_a_batch_too_and_leaves_its_rest_for_a_resume(tmp_path, clock):
+    # Trials that slow down (0.1 s, then 5 s from the sixth): a batch sized on the last one's pace
+    # overruns the 6 s budget, its unrun trials are told as skipped (not counted, not taken as
+    # seen), none is left running, and a resumed study runs on.
+    task = TimedPrecompiling(AdamWTuningTask(SHAPES, torch.float32, "cpu"), clock, 0.0,
+                             lambda n: 0.1 if n < 6 else 5.0)  # fmt: skip
+    (result,) = _tune(task, tmp_path, trials=30, minutes=6 / 60, timer=task.timer)
+    skipped = [t for t in _study(task, tmp_path).trials if "skipped" in t.user_attrs]
+    assert skipped and 1 <= len(task.configured) <= result.trials < 30  # illegal configs count, unconfigured
+    assert all(t.state.is_finished() for t in _study(task, tmp_path).trials)
+    (again,) = _tune(task, tmp_path, trials=30, minutes=60 / 60, timer=task.timer)
     assert again.trials > result.trials
 
 
