@@ -226,8 +226,8 @@ def _optimize(study, objective, after, n_trials: int, seconds: float, batch: int
 
     Batches start at one trial and double up to ``batch``, and none holds more trials than the
     time left runs at the last batch's seconds per compiled trial (its compile included): compiles
-    the deadline would leave unrun are not started. (AdamMini's model buckets on an H200 took 151 s to
-    their first trial with a first batch of eight, where a key had 30 s.)"""
+    the deadline would leave unrun are not started. (AdamMini's model buckets on an H200 took
+    151 s to their first trial with a first batch of eight, where a key had 30 s.)"""
     import optuna
 
     deadline = time.monotonic() + seconds
