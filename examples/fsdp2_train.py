@@ -9,7 +9,8 @@ resume with Distributed Checkpoint (DCP). Launch with torchrun (NCCL on GPUs, Gl
 ``adamw``: FSDP2 (``fully_shard`` per decoder layer, then the whole model) with our AdamW on the
 sharded parameters, clipped by our ``clip_grad_norm_``. ``distributed_adamw``: the model left
 unwrapped, ZeRO-2 by ``DistributedAdamW`` (gradients reduce-scattered during backward, clipped by
-the optimizer's ``clip_grad_norm_``, where they live after backward). ``--checkpoint DIR`` saves model,
+the optimizer's ``clip_grad_norm_``, where they live after backward; the updated parameters'
+all-gathers finished module by module in the next forward). ``--checkpoint DIR`` saves model,
 optimizer, scheduler and step there at the end; ``--resume`` loads them first, at any world size,
 and trains on to ``--steps`` (the schedule's length); ``--stop-after N`` stops a run after N steps.
 Prints the mean loss over ranks as it goes; ``main`` returns the losses.
@@ -37,8 +38,9 @@ OPTIMIZERS = ("adamw", "distributed_adamw")
 def build(name: str, world: int, device: torch.device, size: str, lr: float):
     model = llama(size).to(device)
     hyper = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if name == "distributed_adamw":
-        return model, DistributedAdamW(model.parameters(), **hyper)
+    if name == "distributed_adamw":  # each step's all-gathers finished module by module in the next forward
+        units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+        return model, DistributedAdamW(model.parameters(), gather_in_forward=units, **hyper)
     mesh = init_device_mesh(device.type, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
