@@ -42,8 +42,9 @@ from .family import KernelFamily
 from .render import user_cache_dir
 
 FAILURES = ("compile", "out_of_resources", "wrong_result", "runtime")
-# Trials asked at once of a task that precompiles: one per compile worker (precompile.MAX_THREADS,
-# at most 8), few enough that TPE still learns from most trials before it proposes the next.
+# The largest batch of trials asked at once of a task that precompiles (batches grow 1, 2, 4, ...
+# to it): one per compile worker (precompile.MAX_THREADS, at most 8), few enough that TPE still
+# learns from most trials before it proposes the next.
 PRECOMPILE_BATCH = 8
 Timer = Callable[["TuningTask"], tuple[float, float, float]]
 
