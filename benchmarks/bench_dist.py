@@ -422,8 +422,8 @@ def _kinds(by_kind: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items()) or "none"
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model's and batch's arguments (the 123M model by default)."""
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=None, help="default dim / 64")
@@ -431,6 +431,19 @@ def main(argv=None) -> None:
     ap.add_argument("--ffn", type=int, default=None, help="default 8/3 dim, a multiple of 64 (Llama-2-7B: 11008)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
+
+
+def model_config_of(args) -> ModelConfig:
+    """The Llama-shaped model ``add_model_args``' arguments describe (vocabulary 32000)."""
+    heads = args.heads or args.dim // 64
+    return ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=heads,
+                       n_kv_heads=args.kv_heads or max(1, args.dim // 256),
+                       ffn_dim=args.ffn or args.dim * 8 // 3 // 64 * 64, max_seq_len=args.seq)  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profiled", type=int, default=5,
@@ -452,10 +465,7 @@ def main(argv=None) -> None:
     ShardedMuonGroupPlan.stages = args.muon_stages
     DistributedAdamW.pipelined_step = args.zero2_step == "pipelined"
     rank, world, device, launcher = _init()
-    heads = args.heads or args.dim // 64
-    model_config = ModelConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=heads,
-                               n_kv_heads=args.kv_heads or max(1, args.dim // 256),
-                               ffn_dim=args.ffn or args.dim * 8 // 3 // 64 * 64, max_seq_len=args.seq)  # fmt: skip
+    model_config = model_config_of(args)
     rows, failed = [], []
     for config in args.configs.split(","):
         try:

@@ -62,6 +62,7 @@ class AdafactorLaunch:
         if any(isinstance(p, DTensor) != self.split for p in params) or (self.split and any(coded)):
             raise ValueError("AdafactorLaunch: sharded tensors (fp32 statistics) and plain ones take separate launches")
         self._red_views: tuple[dict, dict] = ({}, {})  # tensor -> its ShardSums slots (red1, red2)
+        self._step_launches: list[tuple] | None = None  # a split step's launches, run_stats to run
         self.coded = list(coded)
         self.seeds = list(seeds)
         self.multi_tensor = multi_tensor
@@ -234,23 +235,34 @@ class AdafactorLaunch:
         return checked_grads(self.sources)
 
     def run_stats(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        """Dim 0 split across ranks: the stats launch (this rank's sums into red1); nothing otherwise."""
+        """Dim 0 split across ranks: the stats launch (this rank's sums into red1); nothing otherwise.
+        The step's launches are formed here once and kept for ``run_norm`` and ``run``."""
         if self.split:
-            self._run(("stats",), group, grad_scale, found_inf)
+            self._step_launches = self._launches(group, grad_scale, found_inf)
+            self._issue(self._step_launches, ("stats",))
 
     def run_norm(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """Dim 0 split across ranks, after red1 was added over the shard group: the columns launch and
         the norm launch (this rank's Σ u², Σ p² into red2); nothing otherwise."""
         if self.split:
-            self._run(("columns", "norm"), group, grad_scale, found_inf)
+            self._issue(self._step_launches or self._launches(group, grad_scale, found_inf), ("columns", "norm"))
 
     def run(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """One step of every tensor with ``group``'s hyperparameters (torch.optim.Adafactor's); dim 0
         split across ranks: its last phase (after red2 was added over the shard group)."""
-        self._run(("coef", "update") if self.split else ("stats", "norm", "update"), group, grad_scale, found_inf)
+        launches = (self._step_launches if self.split else None) or self._launches(group, grad_scale, found_inf)
+        self._step_launches = None
+        self._issue(launches, ("coef", "update") if self.split else ("stats", "norm", "update"))
 
-    def _run(self, phases: tuple[str, ...], group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    @staticmethod
+    def _issue(launches: list[tuple], phases: tuple[str, ...]) -> None:
         """The launches of ``phases`` (stats, columns, norm, coef, update: the header's order)."""
+        for phase, (kernel, grid, args, kwargs) in launches:
+            if phase in phases:
+                kernel[grid](*args, **kwargs)
+
+    def _launches(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> list[tuple]:
+        """(phase, launch) of every phase of this step (``_issue`` runs them)."""
         eps1, eps2 = group["eps"]
         eps1 = torch.finfo(self.params[0].dtype).eps if eps1 is None else float(eps1)
         scaling = grad_scale is not None or found_inf is not None
@@ -266,12 +278,8 @@ class AdafactorLaunch:
         if self.multi_tensor:
             stats, tiles = self._multi_tensor_args(self._grads.update(self.sources, self.grads), lr, gs, fi, floats,
                                                    beta1)  # fmt: skip
-            launches = self._phase_launches(module, stats, tiles, lr, fi, floats)
-        else:
-            launches = self._single_launches(module, lr, gs, fi, floats, beta1)
-        for phase, (kernel, grid, args, kwargs) in launches:
-            if phase in phases:
-                kernel[grid](*args, **kwargs)
+            return self._phase_launches(module, stats, tiles, lr, fi, floats)
+        return self._single_launches(module, lr, gs, fi, floats, beta1)
 
     def _phase_launches(self, module, stats: tuple, tiles: tuple, lr, fi, floats: tuple) -> list[tuple]:
         """(phase, launch) of the multi-tensor launches, in the order a step issues them (``stats``,

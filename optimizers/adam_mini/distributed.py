@@ -52,6 +52,13 @@ def rows_are_blocks(p: DTensor, part: ParamPartition) -> bool:
     return part.kind == "row" and p.dim() >= 2 and row_shard_group(p) is not None
 
 
+def block_sums_span_ranks(p: DTensor, part: ParamPartition) -> bool:
+    """Whether sharded ``p``'s rows alone are split (``row_shard_group``) and its blocks are not
+    rows nor elements: a block may then span ranks, and each rank's sum of g² over its part of it
+    goes into a ``ShardSums`` slot (the optimizer's ``_block_sums``)."""
+    return part.kind != "adam" and not rows_are_blocks(p, part) and row_shard_group(p) is not None
+
+
 def second_moment_zeros(p: DTensor, part: ParamPartition) -> DTensor:
     """Zero second moments of sharded ``p``: per element like ``p`` (plain Adam); per row [R] split
     like the rows (``rows_are_blocks``); else per block, [blocks] replicated on ``p``'s mesh."""
@@ -108,17 +115,16 @@ class ShardedParam:
         self.rows_local = rows_are_blocks(p, part)
         # where each local row's second moment sits in the local second-moment tensor
         self.v_index = torch.arange(len(rows), device=self.local.device) if self.rows_local else self.block_ids
-        sizes = torch.tensor([(b - a) * part.cols for a, b in zip(bounds, bounds[1:], strict=False)],
-                             dtype=torch.float32)  # fmt: skip
-        self.block_numel = sizes.to(self.local.device)  # elements per block, whole
+        self.block_numel = part.block_numel().to(self.local.device)  # elements per block, whole
 
     def rows_view(self, t: Tensor) -> Tensor:
         """A local tensor as (local rows, row elements here)."""
         return t.view(1, -1) if self.vector else t.view(t.shape[0], -1)
 
-    def partial_sq_sums(self, g: Tensor) -> Tensor:
-        """Σ g² over this rank's part of each block: fp32 [blocks]."""
-        out = torch.zeros(self.part.blocks, dtype=torch.float32, device=self.local.device)
+    def partial_sq_sums(self, g: Tensor, out: Tensor | None = None) -> Tensor:
+        """Σ g² over this rank's part of each block: fp32 [blocks], added into ``out`` where given."""
+        if out is None:
+            out = torch.zeros(self.part.blocks, dtype=torch.float32, device=self.local.device)
         if self.local.numel():
             g = self.rows_view(g).float()
             out.index_add_(0, self.block_ids, (g * g).sum(dim=1))

@@ -28,10 +28,12 @@ from ..shared.checks import (
     start_step,
 )
 from ..shared.dtensor import DTensor, local, row_shard_group
+from ..shared.shard_sums import ShardSums
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .distributed import (
     ShardedParam,
+    block_sums_span_ranks,
     reduce_block_sums,
     row_mean_sq,
     second_moment_zeros,
@@ -157,6 +159,8 @@ class AdamMini(torch.optim.Optimizer):
         self.telemetry = Telemetry(TELEMETRY)
         self._plans: dict[int, tuple] = {}  # group index -> its plans (and a sharded key: the sharded ones)
         self._sharded: dict[int, ShardedParam] = {}
+        self._block_slots: tuple[list, ShardSums | None] = ([], None)  # (the plans it serves, the slots)
+        self._block_sums_numel: list[Tensor] = []  # elements per block, slotwise (ShardSums.slotwise)
         for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
             for p in g["params"]:
                 if p.requires_grad and not p.is_meta:
@@ -291,40 +295,84 @@ class AdamMini(torch.optim.Optimizer):
 
     def _step_sharded(self, by_group: list[list[DTensor]]) -> None:
         """FSDP2's parameters (``by_group``: each group's with grads): every rank's sums of g² over
-        its part of the split blocks, one all-reduce per shard group for all groups, then each
-        group's update: the fused kernel on the local rows (``sharded_plan.py``), or PyTorch ops
-        where the kernels do not run (``distributed.py``)."""
-        staged, sums = [], []
+        its part of the split blocks into the slots of one ``ShardSums`` (``_block_sums``), their
+        all-reduce (one per shard group, all groups at once) left running while the kernels update
+        the rows that need no sum from other ranks, then the split blocks' moments and rows; where
+        the kernels do not run, PyTorch ops (``distributed.py``). Layouts that split columns too
+        (tensor parallelism) all-reduce their sums apart (``reduce_block_sums``)."""
+        staged = []
         for index, (group, ps) in enumerate(zip(self.param_groups, by_group, strict=True)):
-            if not ps:
-                continue
-            plans, reference = self._sharded_group_plan(index, ps)
-            for plan in plans:
-                plan.begin(group)
-                sums += plan.block_sums(group, partial(checked_grads, plan.params))
-            grads = checked_grads([item.p for item in reference])
-            for item, g in zip(reference, grads, strict=True):
-                if not item.rows_local and item.part.kind != "adam":
-                    sums.append((item, item.partial_sq_sums(g)))
-            staged.append((group, plans, reference, grads))
-        means = reduce_block_sums(sums) if sums else {}
+            if ps:
+                plans, reference = self._sharded_group_plan(index, ps)
+                staged.append((group, plans, reference, checked_grads([item.p for item in reference])))
+        slots = self._block_sums([plan for _, plans, _, _ in staged for plan in plans])
+        if slots is not None:
+            slots.zero_()
+        split_cols = []
         for group, plans, reference, grads in staged:
             for plan in plans:
-                plan.update_block_moments(group, means)
-                plan.update(group, partial(checked_grads, plan.params))
+                plan.begin(group)
+                plan.block_sums(group, partial(checked_grads, plan.params))
+            for item, g in zip(reference, grads, strict=True):
+                if slots is not None and item.p in slots:
+                    item.partial_sq_sums(g, out=slots[item.p])
+                elif not item.rows_local and item.part.kind != "adam":
+                    split_cols.append((item, item.partial_sq_sums(g)))
+        works = slots.all_reduce(async_op=True) if slots is not None else []
+        means = reduce_block_sums(split_cols) if split_cols else {}
+        for group, plans, _, _ in staged:
+            for plan in plans:
+                plan.update_free(group, partial(checked_grads, plan.params))
+        for w in works:
+            w.wait()
+        if slots is not None:
+            for (_, buffer), numel in zip(slots.buffers, self._block_sums_numel, strict=True):
+                buffer.div_(numel)  # sums -> means of g² over each block's elements
+        for group, plans, reference, grads in staged:
+            moments = [v for plan in plans for v in plan.block_moments()]
+            if moments:  # v = beta2 v + (1 - beta2) mean, as the kernel's kind 1 forms it
+                beta2 = float(group["betas"][1])
+                torch._foreach_mul_(moments, beta2)
+                torch._foreach_add_(moments, [m for plan in plans for m in plan.block_means()], alpha=1.0 - beta2)
+            for plan in plans:
+                plan.update_given(group, partial(checked_grads, plan.params))
                 self._watch_plan(plan)
-            if not reference:
-                continue
-            beta1, beta2 = (float(b) for b in group["betas"])
-            item_means = [row_mean_sq(item, g) if item.rows_local else means.get(id(item))
-                          for item, g in zip(reference, grads, strict=True)]  # fmt: skip
-            amax, overflow = sharded_adam_mini_step(
-                reference, grads, [self.state[item.p] for item in reference], item_means, lr=float(group["lr"]),
-                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            )  # fmt: skip
-            self.telemetry.add("amax_update", amax)
-            if overflow is not None:
-                self.telemetry.add("overflow_total", overflow)
+            if reference:
+                self._step_sharded_reference(group, reference, grads, slots, means)
+
+    def _step_sharded_reference(self, group: dict, reference: list[ShardedParam], grads: list[Tensor],
+                                slots: ShardSums | None, means: dict[int, Tensor]) -> None:  # fmt: skip
+        """The PyTorch-ops step of one group's sharded params the kernels do not take, with the split
+        blocks' means of g² (in ``slots`` for split rows, in ``means`` for split columns)."""
+        beta1, beta2 = (float(b) for b in group["betas"])
+        item_means = [row_mean_sq(item, g) if item.rows_local
+                      else slots[item.p] if slots is not None and item.p in slots else means.get(id(item))
+                      for item, g in zip(reference, grads, strict=True)]  # fmt: skip
+        amax, overflow = sharded_adam_mini_step(
+            reference, grads, [self.state[item.p] for item in reference], item_means, lr=float(group["lr"]),
+            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+        )  # fmt: skip
+        self.telemetry.add("amax_update", amax)
+        if overflow is not None:
+            self.telemetry.add("overflow_total", overflow)
+
+    def _block_sums(self, plans: list[ShardedAdamMiniPlan]) -> ShardSums | None:
+        """The sums of g² over the split blocks of every param of the optimizer whose rows alone are
+        split and whose blocks are not rows (a slot of its blocks each, the same on every rank
+        whatever it holds locally), made when the plans change; the kernels add into them."""
+        served = self._block_slots[0]
+        if len(served) != len(plans) or any(a is not b for a, b in zip(served, plans, strict=False)):
+            split = [p for group in self.param_groups for p in group["params"]
+                     if isinstance(p, DTensor) and p.requires_grad and id(p) in self._parts
+                     and block_sums_span_ranks(p, self._parts[id(p)])]  # fmt: skip
+            slots = ShardSums([(p, self._parts[id(p)].blocks) for p in split]) if split else None
+            if slots is not None:
+                numel = {id(p): self._parts[id(p)].block_numel().to(local(p).device) for p in split}
+                self._block_sums_numel = slots.slotwise(numel)
+                for plan in plans:
+                    plan.use_block_sums(slots.views)
+            self._block_slots = (plans, slots)
+        return self._block_slots[1]
 
     def _sharded_group_plan(self, index: int, params: list[DTensor]) -> tuple[list, list[ShardedParam]]:
         """(kernel plans, params for PyTorch ops) of one group's DTensor params with grads, built

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch import Tensor
 
 KINDS = ("head", "row", "whole", "adam", "fused_qkv")
@@ -124,6 +125,12 @@ class ParamPartition:
         for s in self.segments:
             bounds += [s.start + (i + 1) * s.rows_per_block for i in range(s.blocks)]
         return bounds
+
+    def block_numel(self) -> Tensor:
+        """Elements of each block, whole: fp32 [blocks] (the divisor of its sum of g²)."""
+        bounds = self.block_rows()
+        return torch.tensor([(b - a) * self.cols for a, b in zip(bounds, bounds[1:], strict=False)],
+                            dtype=torch.float32)  # fmt: skip
 
 
 @dataclass

@@ -194,15 +194,18 @@ class AdamMiniTritonPlan:
                 *log2_pair(betas[0]), *log2_pair(betas[1]))  # fmt: skip
 
     def launch(self, launches: list, group: dict, checked_grads, v_table: Tensor | None = None,
-               v_of=None) -> None:  # fmt: skip
+               v_of=None, grad_table: Tensor | None = None) -> None:  # fmt: skip
         """The kernel over ``launches`` ((key, items) as ``configure`` builds them); ``v_table`` /
-        ``v_of(i)`` replace the second moments the items read and write (``sharded_plan.py``'s sums)."""
+        ``v_of(i)`` replace the second moments the items read and write (``sharded_plan.py``'s sums);
+        ``grad_table``: the gradients' table as this step already checked it (multi-tensor)."""
+        if not launches:
+            return
         b1, b2 = (float(b) for b in group["betas"])
         lr = float(group["lr"])
         scalars = (lr, b2, 1.0 - b1, 1.0 - b2, float(group["eps"]), 1.0 - lr * float(group["weight_decay"]))
         precompile.wait_all(self._warm)
         if self.multi_tensor:
-            g_t = self._grads.update(self.params, checked_grads)
+            g_t = grad_table if grad_table is not None else self._grads.update(self.params, checked_grads)
             for kernel, grid, args, kwargs in self._multi_launches(launches, g_t, v_table, scalars):
                 kernel[grid](*args, **kwargs)
         else:

@@ -5,13 +5,14 @@ single-process plan does, and steps each param's local rows with the same kernel
 
 1. ``begin`` and ``block_sums``: the begin kernel, then one launch that writes this rank's sum of
    g² over its rows of every block that is not a row (a head, a norm, a whole tensor: kind 4
-   items) into a buffer of partial sums, one slot per block;
-2. the caller all-reduces the partial sums of every plan at once (one collective per shard group)
-   and updates those blocks' replicated second moments with PyTorch's foreach ops
-   (``update_block_moments``): each rank updates every block, not only its own, so the
-   ``Replicate`` DTensor stays the same everywhere;
-3. ``update``: the update launch; rows that are blocks (kind 0) form their second moments in the
-   kernel, as in one process (a rank holds them whole); split blocks (kind 3) read theirs.
+   items) into the param's slot of the optimizer's ``ShardSums`` (``use_block_sums``);
+2. ``update_free``: the update launch of the items that need no sum from other ranks (rows that
+   are blocks, kind 0, form their second moments in the kernel, as in one process; plain Adam's
+   are elementwise), launched while the caller's all-reduce of the slots runs;
+3. once the slots are summed and divided into means, the caller updates the split blocks'
+   replicated second moments with PyTorch's foreach ops (``block_moments``: each rank updates
+   every block, not only its own, so the ``Replicate`` DTensor stays the same everywhere), and
+   ``update_given`` launches the split blocks' items (kind 3), which read them.
 
 FP8 momentum goes without the bf16 fallback pool (``distributed.py``): the kernel is handed a pool
 of 0 slots, so a sub-block that would fall back stays FP8 and counts as an overflow.
@@ -71,13 +72,18 @@ class ShardedAdamMiniPlan(AdamMiniTritonPlan):
         super().__init__([it.p for it in items], views, [LocalRows.of(it) for it in items], sub_block, 1.0)
         for state, view in zip(states, views, strict=True):
             state["step"] = view["step"]  # views of the plan's device buffer of step counts
-        sizes = [-(-q.blocks // SLOT_ALIGN) * SLOT_ALIGN for q in self.parts]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.sums = torch.zeros(max(1, sum(sizes)), dtype=torch.float32, device=device)
-        self._sum_views = [self.sums[a : a + q.blocks] for a, q in zip(starts, self.parts, strict=True)]
-        if self.multi_tensor:
-            self._sum_table = pointer_table(self._sum_views, device)
         self._reduced = [i for i, q in enumerate(self.parts) if q.kind == "block"]
+        self._no_sums = torch.zeros(SLOT_ALIGN, dtype=torch.float32, device=device)  # params with no slot
+        self._sum_views: list[Tensor] = []
+        self._grad_table = None  # this step's gradient table, from block_sums to the update launches
+
+    def use_block_sums(self, views: dict[int, Tensor]) -> None:
+        """Keep the split blocks' sums in ``views`` (a ``ShardSums``' slots, by ``id`` of the param:
+        [blocks] fp32 each, 16-float aligned, as the kernel's vector loads of v want)."""
+        self._sum_views = [views[id(self.items[i].p)] if i in self._reduced else self._no_sums
+                           for i in range(len(self.parts))]  # fmt: skip
+        if self.multi_tensor:
+            self._sum_table = pointer_table(self._sum_views, self.device)
 
     def configure(self, config) -> None:
         super().configure(config)
@@ -89,6 +95,15 @@ class ShardedAdamMiniPlan(AdamMiniTritonPlan):
                 groups.setdefault((*key, rows, (0, 0, 0)), []).extend((i, r0, nr, b, SUM) for r0, nr, b in q.runs)
         self._sum_launches = [(key, torch.tensor(its, dtype=torch.int32, device=self.device).view(-1, 5))
                               for key, its in sorted(groups.items())]  # fmt: skip
+        # the update's items apart: those that read the split blocks' moments (kind 3) wait for the sums
+        given = {i for i, q in enumerate(self.parts) if q.kind == "block"}
+        self._free_launches, self._given_launches = [], []
+        for key, items in self._launches:
+            tensors = items[:, 0].tolist()
+            for launches, keep in ((self._free_launches, False), (self._given_launches, True)):
+                rows_of = [r for r, t in enumerate(tensors) if (t in given) == keep]
+                if rows_of:
+                    launches.append((key, items[rows_of]))
 
     def _items(self, part: LocalRows, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
         if part.kind == "block":
@@ -97,26 +112,28 @@ class ShardedAdamMiniPlan(AdamMiniTritonPlan):
         return [(tensor, r, min(rows_per_item, part.rows - r), 0 if kind == ADAM else r, kind)
                 for r in range(0, part.rows, rows_per_item)]  # fmt: skip
 
-    def block_sums(self, group: dict, checked_grads) -> list[tuple[ShardedParam, Tensor]]:
-        """This rank's Σ g² over its rows of each split block: (param, fp32 [blocks]) per such param
-        (blocks it holds no row of stay 0). Call after ``begin``."""
-        if not self._reduced:
-            return []
-        self.sums.zero_()
-        self.launch(self._sum_launches, group, checked_grads, self._sum_table if self.multi_tensor else None,
-                    self._sum_views.__getitem__)  # fmt: skip
-        return [(self.items[i], self._sum_views[i]) for i in self._reduced]
+    def block_sums(self, group: dict, checked_grads) -> None:
+        """This rank's Σ g² over its rows of each split block, added into its slots (blocks it holds
+        no row of stay 0; the caller zeroes the slots). Call after ``begin``."""
+        if self.multi_tensor:
+            self._grad_table = self._grads.update(self.params, checked_grads)
+        if self._reduced:
+            self.launch(self._sum_launches, group, checked_grads, self._sum_table if self.multi_tensor else None,
+                        self._sum_views.__getitem__, grad_table=self._grad_table)  # fmt: skip
 
-    def update_block_moments(self, group: dict, means: dict[int, Tensor]) -> None:
-        """v = beta2 v + (1 - beta2) mean of every split block's second moment (``means``: the blocks'
-        mean g² by ``id`` of their ShardedParam), as the kernel's kind 1 forms it."""
-        if not self._reduced:
-            return
-        beta2 = float(group["betas"][1])
-        moments = [self._tensor(i, "v") for i in self._reduced]
-        torch._foreach_mul_(moments, beta2)
-        torch._foreach_add_(moments, [means[id(self.items[i])] for i in self._reduced], alpha=1.0 - beta2)
+    def block_moments(self) -> list[Tensor]:
+        """The split blocks' second moments ([blocks] fp32 each), in the order of ``block_means``."""
+        return [self._tensor(i, "v") for i in self._reduced]
 
-    def update(self, group: dict, checked_grads) -> None:
-        """The update launch (after ``update_block_moments``)."""
-        self.launch(self._launches, group, checked_grads)
+    def block_means(self) -> list[Tensor]:
+        """The split blocks' slots, once summed over the ranks and divided into means of g²."""
+        return [self._sum_views[i] for i in self._reduced]
+
+    def update_free(self, group: dict, checked_grads) -> None:
+        """The update launch of the items that read no split block's moment (after ``block_sums``)."""
+        self.launch(self._free_launches, group, checked_grads, grad_table=self._grad_table)
+
+    def update_given(self, group: dict, checked_grads) -> None:
+        """The update launch of the split blocks' items (after their moments were updated)."""
+        self.launch(self._given_launches, group, checked_grads, grad_table=self._grad_table)
+        self._grad_table = None

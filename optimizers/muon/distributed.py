@@ -100,7 +100,8 @@ class ShardedMuonBatch:
         self._pieces = [self._reply_parts[s][k] for s, _, _ in self._spans for k in range(owned)]
         self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O, its pieces' views)
         self.norm = torch.empty(owned, dtype=torch.float32, device=self.device)
-        self._amax = torch.zeros((), device=self.device)
+        self._amax_lr: float | None = None  # the last step's adjusted lr (update_amax)
+        self.graphed = False  # before_ns and after_ns run inside the device's NS graph (OwnerNS)
         self._work = None  # the all-to-all in flight (send -> receive, reply -> apply)
         self.kernels = None
         if here and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
@@ -125,23 +126,24 @@ class ShardedMuonBatch:
 
     def receive(self, h: MuonHyper) -> None:
         """Step 2's end: once the all-to-all is done (on CUDA the stream waits, not the host), the
-        owner's matrices into ``x`` and their norms (as torch's bf16 vector_norm, at least eps)."""
+        owner's matrices into ``x`` and their norms (``before_ns``; in the NS graph where the
+        batch is ``graphed``)."""
         self._work.wait()
-        # 3. the owner's matrices: rank s's pieces are rows (tall: columns) [a, b) of each
+        if not self.graphed:
+            self.before_ns(h.eps_bf16)
+
+    def before_ns(self, eps_bf16: float) -> None:
+        """The owner's matrices into ``x`` (rank s's pieces are rows, tall: columns, [a, b) of each)
+        and their norms (as torch's bf16 vector_norm, at least eps): static buffers in, static out."""
         if self.owned and self.tall:
             for s, a, b in self._spans:
                 self.x[:, :, a:b].copy_(self._got_parts[s])
         elif self.owned:
             torch._foreach_copy_(*self._unpack)
-        self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=h.eps_bf16))
+        self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=eps_bf16))
 
-    def orthogonalize(self, h: MuonHyper) -> Tensor:
-        """NS of this batch alone, on torch's ops (CPU; the CUDA batches run as one graph)."""
-        return orthogonalize(self.x, h)
-
-    def reply(self, h: MuonHyper, ortho: Tensor) -> None:
-        """Step 4's start: each rank's rows of O (the owner's ``ortho``, (owned, m, n)) sent back to
-        it by an all-to-all left running (``apply`` waits for it)."""
+    def after_ns(self, ortho: Tensor) -> None:
+        """Each rank's rows of O (the owner's ``ortho``, (owned, m, n)) into the reply buffer."""
         if self.owned and self.tall:
             for s, a, b in self._spans:
                 self._reply_parts[s].copy_(ortho[:, :, a:b])
@@ -150,6 +152,16 @@ class ShardedMuonBatch:
                 owned = range(len(self.owned))
                 self._pack_from = (ortho.data_ptr(), [ortho[k, a:b] for _, a, b in self._spans for k in owned])
             torch._foreach_copy_(self._pieces, self._pack_from[1])
+
+    def orthogonalize(self, h: MuonHyper) -> Tensor:
+        """NS of this batch alone, on torch's ops (CPU; the CUDA batches run as one graph)."""
+        return orthogonalize(self.x, h)
+
+    def reply(self, h: MuonHyper, ortho: Tensor) -> None:
+        """Step 4's start: each rank's rows of O (``after_ns``, done in the NS graph where the batch
+        is ``graphed``) sent back to it by an all-to-all left running (``apply`` waits for it)."""
+        if not self.graphed:
+            self.after_ns(ortho)
         self._work = dist.all_to_all_single(self._back.view(-1), self._reply, output_split_sizes=self._to_owner,
                                             input_split_sizes=self._from_rank, group=self.group,
                                             async_op=True)  # fmt: skip
@@ -167,12 +179,14 @@ class ShardedMuonBatch:
                 mine = [(o.mT if self.tall else o).reshape(self.local_params[j].shape)
                         for j, o in zip(self.order, self._back.unbind(0), strict=True)]  # fmt: skip
                 torch._foreach_add_([self.local_params[j] for j in self.order], mine, alpha=-step_lr)
-        if self._back.numel():  # this rank's rows
-            self._amax = self._back.abs().amax().float() * step_lr
+        self._amax_lr = step_lr
 
     def update_amax(self) -> Tensor:
-        """This rank's rows' largest |adjusted lr · O| of the last step (0-d fp32)."""
-        return self._amax
+        """This rank's rows' largest |adjusted lr · O| of the last step (0-d fp32), formed when asked
+        (telemetry reads it between steps; ``_back`` holds the last step's rows of O until then)."""
+        if not self._back.numel() or self._amax_lr is None:
+            return torch.zeros((), device=self.device)
+        return self._back.abs().amax().float() * self._amax_lr
 
 
 def orthogonalize(x: Tensor, h: MuonHyper) -> Tensor:
@@ -217,6 +231,12 @@ class GatheredMuonBatch:
 
     def receive(self, h: MuonHyper) -> None:
         """Nothing: ``send`` waited for its gathers."""
+
+    def before_ns(self, eps_bf16: float) -> None:
+        """Nothing: ``send`` formed ``x`` and its norms."""
+
+    def after_ns(self, ortho: Tensor) -> None:
+        """Nothing: ``reply`` applies the update from O."""
 
     def orthogonalize(self, h: MuonHyper) -> Tensor:
         return orthogonalize(self.x, h)
@@ -269,16 +289,17 @@ class ShardedMuonGroupPlan:
         self.batches = [ShardedMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps], mode) if key[3][0] == "rows"
                         else GatheredMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps])
                         for key, ps in batches.items()]  # fmt: skip
-        self.staged = []  # (batches, their JointNS runs) per stage
+        self.staged = []  # (batches, their OwnerNS runs) per stage
         for stage in split_in_stages(self.batches, self.stages):
             joint: dict[torch.device, list] = {}
             for b in stage:
                 if b.owned and ns_on_triton(b.x):
                     joint.setdefault(b.device, []).append(b)
-            self.staged.append((stage, [JointNS(bs) for bs in joint.values()]))
+                    b.graphed = True
+            self.staged.append((stage, [OwnerNS(bs) for bs in joint.values()]))
 
     @property
-    def joint(self) -> list[JointNS]:
+    def joint(self) -> list[OwnerNS]:
         """Every stage's joint NS runs."""
         return [ns for _, runs in self.staged for ns in runs]
 
@@ -294,7 +315,7 @@ class ShardedMuonGroupPlan:
             orthos = {}
             for ns in runs:
                 with torch.cuda.device(ns.batches[0].device):
-                    orthos.update(zip(map(id, ns.batches), ns(h.schedule)[0], strict=True))
+                    orthos.update(zip(map(id, ns.batches), ns(h.schedule, h.eps_bf16)[0], strict=True))
             for batch in stage:  # the replies move while the next stage's NS runs
                 ortho = orthos.get(id(batch))
                 with _on(batch.device):
@@ -308,6 +329,30 @@ class ShardedMuonGroupPlan:
             return torch.zeros(())
         device = self.batches[0].device
         return torch.stack([b.update_amax().to(device) for b in self.batches]).max()
+
+
+class OwnerNS(JointNS):
+    """The NS iterations of one device's owner batches of a stage (``JointNS``), with each batch's
+    ``before_ns`` (the received rows into its matrices, their norms) and ``after_ns`` (O's pieces
+    into the reply buffer) in the same CUDA graph: their buffers are static too, so one replay
+    takes the copies and norms that would otherwise be launched one by one from the host."""
+
+    eps_bf16 = 0.0
+
+    def __call__(self, schedule: list[tuple[float, float, float]], eps_bf16: float) -> tuple[list[Tensor], bool]:
+        self.eps_bf16 = eps_bf16
+        return super().__call__(schedule)
+
+    def _run(self, schedule: list[tuple[float, float, float]]) -> list[Tensor]:
+        for b in self.batches:
+            b.before_ns(self.eps_bf16)
+        orthos = super()._run(schedule)
+        for b, ortho in zip(self.batches, orthos, strict=True):
+            b.after_ns(ortho)
+        return orthos
+
+    def _key(self) -> tuple:
+        return (self.eps_bf16,)
 
 
 def split_in_stages(batches: list, stages: int) -> list[list]:

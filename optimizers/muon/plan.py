@@ -238,16 +238,23 @@ class JointNS:
     def __call__(self, schedule: list[tuple[float, float, float]]) -> tuple[list[Tensor], bool]:
         """Each batch's O, and whether they are static (a graph's outputs, rewritten by its
         replays: a graph of this class, or one the caller is capturing)."""
-        run = lambda: joint_newton_schulz([b.x for b in self.batches], schedule,  # noqa: E731
-                                          norms=[b.norm for b in self.batches])  # fmt: skip
+        run = lambda: self._run(schedule)  # noqa: E731
         if torch.cuda.is_current_stream_capturing():
             return run(), True
         if not GRAPH_NS:
             return run(), False
-        key = (tuple(schedule), precompile.optional_pending())
+        key = (tuple(schedule), precompile.optional_pending(), *self._key())
         if self._graph is None or self._graph[0] != key:
             self._graph = (key, StaticGraph(self.batches[0].device, run))
         return self._graph[1].replay(), True
+
+    def _run(self, schedule: list[tuple[float, float, float]]) -> list[Tensor]:
+        """What the graph holds: the iterations of every batch."""
+        return joint_newton_schulz([b.x for b in self.batches], schedule, norms=[b.norm for b in self.batches])
+
+    def _key(self) -> tuple:
+        """What else the graph bakes in (a subclass's constants), beside the schedule."""
+        return ()
 
 
 def _batch_kind(ps: list[Tensor], bufs: list[Tensor], mode: str) -> Callable[..., MuonBatch]:

@@ -30,12 +30,14 @@ class ShardSums:
             groups.setdefault((id(group), local(p).device), (group, []))[1].append((p, size))
         self.buffers: list[tuple[object, Tensor]] = []
         self.views: dict[int, Tensor] = {}
+        self._spans: list[list[tuple[int, int, int]]] = []  # per buffer: (id of p, start, size) of each slot
         for (_, device), (group, members) in groups.items():
             offsets = [0]
             for _, size in members:
                 offsets.append(offsets[-1] + -(-size // 16) * 16)
             buffer = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
             self.buffers.append((group, buffer))
+            self._spans.append([(id(p), start, size) for (p, size), start in zip(members, offsets, strict=False)])
             for (p, size), start in zip(members, offsets, strict=False):
                 self.views[id(p)] = buffer[start : start + size]
 
@@ -49,7 +51,20 @@ class ShardSums:
         for _, buffer in self.buffers:
             buffer.zero_()
 
-    def all_reduce(self) -> None:
-        """Every slot summed over its shard group: one all-reduce per group and device."""
-        for group, buffer in self.buffers:
-            dist.all_reduce(buffer, group=group)
+    def all_reduce(self, async_op: bool = False) -> list:
+        """Every slot summed over its shard group: one all-reduce per group and device. With
+        ``async_op`` the all-reduces are left running: ``wait`` on what it returns before reading
+        a slot (on CUDA the stream waits, not the host), and launch meanwhile what needs no slot."""
+        works = [dist.all_reduce(buffer, group=group, async_op=async_op) for group, buffer in self.buffers]
+        return [w for w in works if w is not None]
+
+    def slotwise(self, values: dict[int, Tensor]) -> list[Tensor]:
+        """Tensors shaped as the buffers, each slot holding ``values[id(p)]`` (its size; ones in
+        the padding): a divisor or a scale that one elementwise op per buffer applies to every slot."""
+        out = []
+        for (_, buffer), spans in zip(self.buffers, self._spans, strict=True):
+            t = torch.ones_like(buffer)
+            for key, start, size in spans:
+                t[start : start + size] = values[key]
+            out.append(t)
+        return out

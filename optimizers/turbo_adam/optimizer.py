@@ -214,11 +214,13 @@ class TurboAdam(torch.optim.Optimizer):
         on_host = found_inf is not None and any(plan.reference for plan, _ in plans)
         skip = on_host and bool(found_inf.item())
         columns = self._column_sums([plan for plan, _ in plans])
-        if columns is not None:  # sharded factored matrices: column sums of g² over every rank's rows
-            self._sum_columns(columns, plans, grad_scale, found_inf, skip)
+        pending = []  # sharded factored matrices: column sums of g² over every rank's rows, in flight
+        if columns is not None:
+            pending = self._sum_columns(columns, plans, grad_scale, found_inf, skip)
         with self.telemetry.step(self.param_groups[0]["params"][0].device, found_inf) as telemetry:
             for index, (group, (plan, params)) in enumerate(zip(self.param_groups, plans, strict=True)):
-                self._step_group(index, group, plan, params, grad_scale, found_inf, skip, columns, telemetry)
+                self._step_group(index, group, plan, params, grad_scale, found_inf, skip, columns, telemetry,
+                                 pending)  # fmt: skip
         return loss
 
     def _column_sums(self, plans: list[TurboGroupPlan]) -> ShardSums | None:
@@ -242,7 +244,8 @@ class TurboAdam(torch.optim.Optimizer):
                      skip: bool) -> None:  # fmt: skip
         """Each rank's sums of g² per column of its rows of the sharded factored matrices (the fused
         stats launches, PyTorch ops on the reference path), added over each shard group: one
-        all-reduce per group, on every rank, even where a step is skipped."""
+        all-reduce per group, on every rank, even where a step is skipped, left running (the
+        returned works: wait before reading the sums)."""
         columns.zero_()
         for (plan, params), group in zip(plans, self.param_groups, strict=True):
             for launch in plan.launches:
@@ -253,7 +256,7 @@ class TurboAdam(torch.optim.Optimizer):
                     check_param_grad(i, local(p), local(p.grad))
                     grad = local(p.grad).float()
                     add_column_sums(columns[p], grad if grad_scale is None else grad / grad_scale.to(grad.device))
-        columns.all_reduce()
+        return columns.all_reduce(async_op=True)
 
     def _group_plan(self, index: int, group: dict) -> tuple[TurboGroupPlan, list[Tensor]]:
         """The cached plan of param group ``index`` and the params with grads it was built for."""
@@ -285,14 +288,16 @@ class TurboAdam(torch.optim.Optimizer):
 
     def _step_group(self, index: int, group: dict, plan: TurboGroupPlan, params: list[Tensor],
                     grad_scale: Tensor | None, found_inf: Tensor | None, skip: bool, columns: ShardSums | None,
-                    telemetry: Telemetry) -> None:  # fmt: skip
-        """One param group: fused launches, exact params through AdamW's stepper, the rest through
-        the reference."""
+                    telemetry: Telemetry, pending: list) -> None:  # fmt: skip
+        """One param group: exact params through AdamW's stepper (while ``pending``, the column sums'
+        all-reduces, run), fused launches, the rest through the reference."""
         if plan.exact:  # AdamW's fused step, exact fp32 moments
             stepper = group_stepper("adamw")(self._exact_plans, index, plan.exact, self.state,
                                              {**group, "state_dtype": "fp32"})  # fmt: skip
             stepper.run({**group, "state_dtype": "fp32"}, grad_scale, found_inf)
             telemetry.watch("amax_update", stepper.update_amax)
+        while pending:  # the column sums are read from here on
+            pending.pop().wait()
         for launch in plan.launches:
             launch.run(group["lr"], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
         if plan.launches:

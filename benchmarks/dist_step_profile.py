@@ -1,0 +1,208 @@
+"""Where a sharded optimizer step's time goes, per rank: host time, GPU time, kernels and the host's
+Python profile, for FSDP2 + each of our optimizers against the same optimizer over plain tensors
+shaped as this rank's shards (``bench_dist.py``'s ``fsdp2+...`` and ``shard+...`` builds).
+
+    torchrun --nproc_per_node 2 benchmarks/dist_step_profile.py --out DIR [--configs ...]
+
+Each configuration steps repeatedly on the gradients of one backward (FSDP2) or on fixed random
+gradients (shard), and reports, as medians over ``--iters`` steps:
+
+- ``wall``: ``opt.step()`` from an idle GPU to its last kernel (CUDA events), as ``bench_dist``'s
+  step column;
+- ``host``: the host's time inside ``opt.step()`` (perf_counter), the GPU left to run behind;
+- ``gpu``: the same step with the stream held back by a sleep kernel long enough for the host to
+  issue everything first, then an all-reduce that lines the ranks' streams up (CUDA events around
+  the step): the GPU's own time, collectives' latency included;
+- ``kernels``: kernels per step (torch.profiler), with the GPU time of the largest by name in
+  ``DIR/<config>_kernels.txt``, the host's time per operator (torch.profiler's CPU activity) in
+  ``DIR/<config>_ops.txt`` and its cProfile in ``DIR/<config>_host.txt`` (rank 0).
+
+Kernels compile in the caller (``KERNEL_FACTORY_PRECOMPILE=0``): background compiles of variants
+a step may never launch would take the GIL from the steps being timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("KERNEL_FACTORY_PRECOMPILE", "0")  # before kernel_factory reads it
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+
+from benchmarks.bench_dist import OURS, _init, add_model_args, build, model_config_of  # noqa: E402
+from benchmarks.convergence.model import ModelConfig  # noqa: E402
+
+HOLD_CYCLES = 50_000_000  # the sleep kernel's clock cycles: ~25 ms at 2 GHz, longer than any step's host time
+
+
+def _events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def timed_steps(opt: torch.optim.Optimizer, iters: int) -> dict[str, float]:
+    """Medians of the step's wall, host and GPU time (ms) over ``iters`` steps each."""
+    wall, host, gpu = [], [], []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = _events()
+        start.record()
+        t0 = time.perf_counter()
+        opt.step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        wall.append(start.elapsed_time(end))
+    marker = torch.zeros(1, device=torch.cuda.current_device())
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = _events()
+        torch.cuda._sleep(HOLD_CYCLES)
+        dist.all_reduce(marker)  # the ranks' streams leave the sleep together (their clocks differ)
+        start.record()
+        opt.step()
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return {"wall": statistics.median(wall), "host": statistics.median(host), "gpu": statistics.median(gpu)}
+
+
+def kernel_table(opt: torch.optim.Optimizer, steps: int) -> tuple[float, str]:
+    """(kernels per step, a table of GPU time per kernel name per step) over ``steps`` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals.setdefault(e.name, []).append(e.device_time_total)
+    count = sum(len(v) for v in totals.values()) / steps
+    lines = [f"{'us/step':>9} {'n/step':>6}  kernel"]
+    for name, times in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        lines.append(f"{sum(times) / steps:9.1f} {len(times) / steps:6.1f}  {name[:110]}")
+    return count, "\n".join(lines)
+
+
+def op_table(opt: torch.optim.Optimizer, steps: int) -> str:
+    """The host's time per operator over ``steps`` steps (torch.profiler, CPU activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+
+
+def host_profile(opt: torch.optim.Optimizer, steps: int) -> str:
+    """cProfile of ``steps`` steps: the 30 functions with the most own time, then by cumulative time."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        opt.step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return out.getvalue()
+
+
+def collective_costs(device: torch.device, iters: int = 50) -> str:
+    """Host time per call (median) and GPU time per call (10 back to back, streams held and lined
+    up as in ``timed_steps``) of an all-reduce of a few KiB, issued as the optimizers issue theirs."""
+    t = torch.zeros(1024, device=device)
+    rows = []
+    for label, call in (("all_reduce", lambda: dist.all_reduce(t)),
+                        ("all_reduce async + wait", lambda: dist.all_reduce(t, async_op=True).wait())):  # fmt: skip
+        host, gpu = [], []
+        for _ in range(iters):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t0) * 1e6)
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start, end = _events()
+            torch.cuda._sleep(HOLD_CYCLES)
+            dist.all_reduce(t)
+            start.record()
+            for _ in range(10):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            gpu.append(start.elapsed_time(end) * 100)
+        rows.append(f"| {label} | {statistics.median(host):.1f} | {statistics.median(gpu):.1f} |")
+    return "\n".join(["| 4 KiB fp32 | host us | GPU us |", "|---|---:|---:|", *rows])
+
+
+def run(config: str, args, model_config: ModelConfig, device: torch.device, world: int, rank: int) -> dict:
+    module, opt = build(config, model_config, device, world, rank)
+    if module is not None:  # FSDP2: one backward leaves the gradients every step reuses
+        gen = torch.Generator(device="cpu").manual_seed(rank)
+        x = torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
+        logits = module(x[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).backward()
+    for _ in range(args.warmup):
+        opt.step()
+    row = {"config": config, **timed_steps(opt, args.iters)}
+    row["kernels"], kernels = kernel_table(opt, 5)
+    ops = op_table(opt, 5)
+    host = host_profile(opt, args.iters)
+    if rank == 0:
+        (args.out / f"{config}_ops.txt").write_text(ops + "\n")
+        (args.out / f"{config}_kernels.txt").write_text(kernels + "\n")
+        (args.out / f"{config}_host.txt").write_text(host)
+    del module, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--configs", default=",".join(f"{w}+{o}" for o in OURS for w in ("fsdp2", "shard")))
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    rank, world, device, _ = _init()
+    model_config = model_config_of(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    collectives = collective_costs(device)
+    rows = [run(c, args, model_config, device, world, rank) for c in args.configs.split(",")]
+    if rank == 0:
+        lines = [f"{world} rank(s), {torch.cuda.get_device_name(device)}, ms per step (medians of {args.iters})",
+                 "", "| config | wall | host | gpu | kernels |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['config']} | {r['wall']:.3f} | {r['host']:.3f} | {r['gpu']:.3f} | {r['kernels']:.0f} |"
+                  for r in rows]  # fmt: skip
+        lines += ["", collectives]
+        (args.out / "step_profile.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
