@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from distributed import use_gpu
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -125,8 +126,13 @@ def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device
 
 def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu") -> None:
     """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
-    momentum buffers within ``tol`` (normwise relative; 0: bitwise)."""
-    states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
+    momentum buffers within ``tol`` (normwise relative; 0: bitwise), and the largest update of the
+    last step (telemetry, the ranks' maximum) within 1e-6 of one process's."""
+    opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
+    amax = torch.tensor(float(opt.telemetry.summary()["amax_update"]))
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    expected = float(one_process(SHARDED_MUON, 4, device)[1].telemetry.summary()["amax_update"])
+    assert expected > 0 and abs(float(amax) - expected) <= 1e-6 * expected, (float(amax), expected)
 
 
 def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:

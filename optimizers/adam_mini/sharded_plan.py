@@ -29,8 +29,9 @@ from ..shared.buckets import pointer_table
 from .distributed import ShardedParam, local_state_view
 from .plan import ADAM, GIVEN, ROW, SUM, AdamMiniTritonPlan
 
-# Each param's slots in the buffer of partial sums start 16 floats apart (64 bytes), so that the
-# kernel's alignment promise for a second-moment pointer (VEC launches) holds for them too.
+# ShardSums' slots start 16 floats apart (64 bytes), so that the kernel's alignment promise for a
+# second-moment pointer (VEC launches) holds for them too; the placeholder of a param with no slot
+# is as long.
 SLOT_ALIGN = 16
 
 
