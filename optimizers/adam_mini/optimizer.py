@@ -159,7 +159,7 @@ class AdamMini(torch.optim.Optimizer):
         self.telemetry = Telemetry(TELEMETRY)
         self._plans: dict[int, tuple] = {}  # group index -> its plans (and a sharded key: the sharded ones)
         self._sharded: dict[int, ShardedParam] = {}
-        self._block_slots: tuple[list, ShardSums | None] = ([], None)  # (the plans it serves, the slots)
+        self._block_slots: tuple[list | None, ShardSums | None] = (None, None)  # (the plans it serves, the slots)
         self._block_sums_numel: list[Tensor] = []  # elements per block, slotwise (ShardSums.slotwise)
         for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
             for p in g["params"]:
@@ -361,7 +361,7 @@ class AdamMini(torch.optim.Optimizer):
         split and whose blocks are not rows (a slot of its blocks each, the same on every rank
         whatever it holds locally), made when the plans change; the kernels add into them."""
         served = self._block_slots[0]
-        if len(served) != len(plans) or any(a is not b for a, b in zip(served, plans, strict=False)):
+        if served is None or len(served) != len(plans) or any(a is not b for a, b in zip(served, plans, strict=False)):
             split = [p for group in self.param_groups for p in group["params"]
                      if isinstance(p, DTensor) and p.requires_grad and id(p) in self._parts
                      and block_sums_span_ranks(p, self._parts[id(p)])]  # fmt: skip
