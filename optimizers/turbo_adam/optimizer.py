@@ -241,7 +241,7 @@ class TurboAdam(torch.optim.Optimizer):
         return self._columns[1]
 
     def _sum_columns(self, columns: ShardSums, plans: list, grad_scale: Tensor | None, found_inf: Tensor | None,
-                     skip: bool) -> None:  # fmt: skip
+                     skip: bool) -> list:  # fmt: skip
         """Each rank's sums of g² per column of its rows of the sharded factored matrices (the fused
         stats launches, PyTorch ops on the reference path), added over each shard group: one
         all-reduce per group, on every rank, even where a step is skipped, left running (the
