@@ -159,8 +159,8 @@ class AdamMini(torch.optim.Optimizer):
         self.telemetry = Telemetry(TELEMETRY)
         self._plans: dict[int, tuple] = {}  # group index -> its plans (and a sharded key: the sharded ones)
         self._sharded: dict[int, ShardedParam] = {}
-        self._block_slots: tuple[list | None, ShardSums | None] = (None, None)  # (the plans it serves, the slots)
-        self._block_sums_numel: list[Tensor] = []  # elements per block, slotwise (ShardSums.slotwise)
+        # (the plans they serve, the slots, each buffer's elements per block: ShardSums.slotwise)
+        self._block_slots: tuple[list | None, ShardSums | None, list[Tensor]] = (None, None, [])
         for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
             for p in g["params"]:
                 if p.requires_grad and not p.is_meta:
@@ -326,7 +326,7 @@ class AdamMini(torch.optim.Optimizer):
         for w in works:
             w.wait()
         if slots is not None:
-            for (_, buffer), numel in zip(slots.buffers, self._block_sums_numel, strict=True):
+            for (_, buffer), numel in zip(slots.buffers, self._block_slots[2], strict=True):
                 buffer.div_(numel)  # sums -> means of g² over each block's elements
         for group, plans, reference, grads in staged:
             moments = [v for plan in plans for v in plan.block_moments()]
@@ -366,12 +366,12 @@ class AdamMini(torch.optim.Optimizer):
                      if isinstance(p, DTensor) and p.requires_grad and id(p) in self._parts
                      and block_sums_span_ranks(p, self._parts[id(p)])]  # fmt: skip
             slots = ShardSums([(p, self._parts[id(p)].blocks) for p in split]) if split else None
+            numel = []
             if slots is not None:
-                numel = {id(p): self._parts[id(p)].block_numel().to(local(p).device) for p in split}
-                self._block_sums_numel = slots.slotwise(numel)
+                numel = slots.slotwise({id(p): self._parts[id(p)].block_numel().to(local(p).device) for p in split})
                 for plan in plans:
                     plan.use_block_sums(slots.views)
-            self._block_slots = (plans, slots)
+            self._block_slots = (plans, slots, numel)
         return self._block_slots[1]
 
     def _sharded_group_plan(self, index: int, params: list[DTensor]) -> tuple[list, list[ShardedParam]]:

@@ -158,7 +158,11 @@ class AdamMiniTritonPlan:
             key = (tensor, vec, *exact) if exact is not None else (tensor, vec, rows, (0, 0, 0))
             groups.setdefault(key, []).extend(self._items(q, i, key[2]))
         self.meta = torch.tensor(self.meta_rows, dtype=torch.int32, device=self.device)
-        self._launches = [
+        self._launches = self._launch_list(groups)
+
+    def _launch_list(self, groups: dict[tuple, list]) -> list[tuple[tuple, Tensor]]:
+        """(key, its items as an int32 [n, 5] device tensor, block items first) per non-empty key."""
+        return [
             (key, torch.tensor(sorted(its, key=lambda it: it[4] not in (BLOCK, GIVEN)), dtype=torch.int32,
                                device=self.device).view(-1, 5))
             for key, its in sorted(groups.items()) if its

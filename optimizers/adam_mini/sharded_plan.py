@@ -96,15 +96,14 @@ class ShardedAdamMiniPlan(AdamMiniTritonPlan):
                 groups.setdefault((*key, rows, (0, 0, 0)), []).extend((i, r0, nr, b, SUM) for r0, nr, b in q.runs)
         self._sum_launches = [(key, torch.tensor(its, dtype=torch.int32, device=self.device).view(-1, 5))
                               for key, its in sorted(groups.items())]  # fmt: skip
-        # the update's items apart: those that read the split blocks' moments (kind 3) wait for the sums
-        given = {i for i, q in enumerate(self.parts) if q.kind == "block"}
-        self._free_launches, self._given_launches = [], []
-        for key, items in self._launches:
-            tensors = items[:, 0].tolist()
-            for launches, keep in ((self._free_launches, False), (self._given_launches, True)):
-                rows_of = [r for r, t in enumerate(tensors) if (t in given) == keep]
-                if rows_of:
-                    launches.append((key, items[rows_of]))
+
+    def _launch_list(self, groups: dict[tuple, list]) -> list[tuple[tuple, Tensor]]:
+        # the update's items apart too: those that read the split blocks' moments (kind 3) wait for the sums
+        split = {given: {k: [it for it in its if (it[4] == GIVEN) == given] for k, its in groups.items()}
+                 for given in (False, True)}  # fmt: skip
+        self._free_launches = super()._launch_list(split[False])
+        self._given_launches = super()._launch_list(split[True])
+        return super()._launch_list(groups)
 
     def _items(self, part: LocalRows, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
         if part.kind == "block":
