@@ -29,6 +29,7 @@ from ..shared.checks import (
 )
 from ..shared.dtensor import DTensor, local, row_shard_group
 from ..shared.shard_sums import ShardSums
+from ..shared.side_stream import SideStream
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .distributed import (
@@ -161,6 +162,7 @@ class AdamMini(torch.optim.Optimizer):
         self._sharded: dict[int, ShardedParam] = {}
         # (the plans they serve, the slots, each buffer's elements per block: ShardSums.slotwise)
         self._block_slots: tuple[list | None, ShardSums | None, list[Tensor]] = (None, None, [])
+        self._side = SideStream()  # the split blocks' chain of the sharded step (CUDA)
         for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
             for p in g["params"]:
                 if p.requires_grad and not p.is_meta:
@@ -296,47 +298,59 @@ class AdamMini(torch.optim.Optimizer):
     def _step_sharded(self, by_group: list[list[DTensor]]) -> None:
         """FSDP2's parameters (``by_group``: each group's with grads): every rank's sums of g² over
         its part of the split blocks into the slots of one ``ShardSums`` (``_block_sums``), their
-        all-reduce (one per shard group, all groups at once) left running while the kernels update
-        the rows that need no sum from other ranks, then the split blocks' moments and rows; where
-        the kernels do not run, PyTorch ops (``distributed.py``). Layouts that split columns too
-        (tensor parallelism) all-reduce their sums apart (``reduce_block_sums``)."""
+        all-reduce (one per shard group, all groups at once), the split blocks' moments and their
+        rows' launch, on a side stream on CUDA, while the current stream's kernels update the rows
+        that need no sum from other ranks; where the kernels do not run, PyTorch ops
+        (``distributed.py``). Layouts that split columns too (tensor parallelism) all-reduce their
+        sums apart (``reduce_block_sums``)."""
         staged = []
         for index, (group, ps) in enumerate(zip(self.param_groups, by_group, strict=True)):
             if ps:
                 plans, reference = self._sharded_group_plan(index, ps)
                 staged.append((group, plans, reference, checked_grads([item.p for item in reference])))
         slots = self._block_sums([plan for _, plans, _, _ in staged for plan in plans])
-        if slots is not None:
-            slots.zero_()
-        split_cols = []
-        for group, plans, reference, grads in staged:
+        for group, plans, _, _ in staged:
             for plan in plans:
                 plan.begin(group)
-                plan.block_sums(group, partial(checked_grads, plan.params))
-            for item, g in zip(reference, grads, strict=True):
-                if slots is not None and item.p in slots:
-                    item.partial_sq_sums(g, out=slots[item.p])
-                elif not item.rows_local and item.part.kind != "adam":
-                    split_cols.append((item, item.partial_sq_sums(g)))
-        works = slots.all_reduce(async_op=True) if slots is not None else []
+                plan.take_grads(partial(checked_grads, plan.params))
+        devices = {plan.device for _, plans, _, _ in staged for plan in plans}
+        device = devices.pop() if len(devices) == 1 and slots is not None else None
+        side = self._side.fork(device) if device is not None else None
+        with SideStream.on(side):
+            if slots is not None:
+                slots.zero_()
+            for group, plans, reference, grads in staged:
+                for plan in plans:
+                    plan.block_sums(group, partial(checked_grads, plan.params))
+                for item, g in zip(reference, grads, strict=True):
+                    if slots is not None and item.p in slots:
+                        item.partial_sq_sums(g, out=slots[item.p])
+            works = slots.all_reduce(async_op=True) if slots is not None else []
+        split_cols = [(item, item.partial_sq_sums(g)) for _, _, reference, grads in staged
+                      for item, g in zip(reference, grads, strict=True)
+                      if not (slots is not None and item.p in slots) and not item.rows_local
+                      and item.part.kind != "adam"]  # fmt: skip
         means = reduce_block_sums(split_cols) if split_cols else {}
         for group, plans, _, _ in staged:
             for plan in plans:
                 plan.update_free(group, partial(checked_grads, plan.params))
-        for w in works:
-            w.wait()
-        if slots is not None:
-            for (_, buffer), numel in zip(slots.buffers, self._block_slots[2], strict=True):
-                buffer.div_(numel)  # sums -> means of g² over each block's elements
-        for group, plans, reference, grads in staged:
-            moments = [v for plan in plans for v in plan.block_moments()]
-            if moments:  # v = beta2 v + (1 - beta2) mean, as the kernel's kind 1 forms it
-                beta2 = float(group["betas"][1])
-                torch._foreach_mul_(moments, beta2)
-                torch._foreach_add_(moments, [m for plan in plans for m in plan.block_means()], alpha=1.0 - beta2)
-            for plan in plans:
-                plan.update_given(group, partial(checked_grads, plan.params))
-                self._watch_plan(plan)
+        with SideStream.on(side):
+            for w in works:
+                w.wait()
+            if slots is not None:
+                for (_, buffer), numel in zip(slots.buffers, self._block_slots[2], strict=True):
+                    buffer.div_(numel)  # sums -> means of g² over each block's elements
+            for group, plans, _, _ in staged:
+                moments = [v for plan in plans for v in plan.block_moments()]
+                if moments:  # v = beta2 v + (1 - beta2) mean, as the kernel's kind 1 forms it
+                    beta2 = float(group["betas"][1])
+                    torch._foreach_mul_(moments, beta2)
+                    torch._foreach_add_(moments, [m for plan in plans for m in plan.block_means()], alpha=1.0 - beta2)
+                for plan in plans:
+                    plan.update_given(group, partial(checked_grads, plan.params))
+                    self._watch_plan(plan)
+        SideStream.join(side, device)
+        for group, _, reference, grads in staged:
             if reference:
                 self._step_sharded_reference(group, reference, grads, slots, means)
 

@@ -3,16 +3,20 @@
 One plan takes one group's DTensor params of one (device, dtype, momentum dtype), as the
 single-process plan does, and steps each param's local rows with the same kernel, in three parts:
 
-1. ``begin`` and ``block_sums``: the begin kernel, then one launch that writes this rank's sum of
-   g² over its rows of every block that is not a row (a head, a norm, a whole tensor: kind 4
-   items) into the param's slot of the optimizer's ``ShardSums`` (``use_block_sums``);
+1. ``begin``, ``take_grads`` and ``block_sums``: the begin kernel, the gradients' table, then one
+   launch that writes this rank's sum of g² over its rows of every block that is not a row (a
+   head, a norm, a whole tensor: kind 4 items) into the param's slot of the optimizer's
+   ``ShardSums`` (``use_block_sums``);
 2. ``update_free``: the update launch of the items that need no sum from other ranks (rows that
    are blocks, kind 0, form their second moments in the kernel, as in one process; plain Adam's
    are elementwise), launched while the caller's all-reduce of the slots runs;
 3. once the slots are summed and divided into means, the caller updates the split blocks'
    replicated second moments with PyTorch's foreach ops (``block_moments``: each rank updates
    every block, not only its own, so the ``Replicate`` DTensor stays the same everywhere), and
-   ``update_given`` launches the split blocks' items (kind 3), which read them.
+   ``update_given`` launches the split blocks' rows (kind 3 items of as many rows as a per-row
+   launch's, so that a head's rows run in parallel), which read them.
+
+The optimizer runs ``block_sums`` and step 3 on a side stream on CUDA, beside ``update_free``.
 
 FP8 momentum goes without the bf16 fallback pool (``distributed.py``): the kernel is handed a pool
 of 0 slots, so a sub-block that would fall back stays FP8 and counts as an overflow.
@@ -76,7 +80,7 @@ class ShardedAdamMiniPlan(AdamMiniTritonPlan):
         self._reduced = [i for i, q in enumerate(self.parts) if q.kind == "block"]
         self._no_sums = torch.zeros(SLOT_ALIGN, dtype=torch.float32, device=device)  # params with no slot
         self._sum_views: list[Tensor] = []
-        self._grad_table = None  # this step's gradient table, from block_sums to the update launches
+        self._grad_table = None  # this step's gradient table, from take_grads to the update launches
 
     def use_block_sums(self, views: dict[int, Tensor]) -> None:
         """Keep the split blocks' sums in ``views`` (a ``ShardSums``' slots, by ``id`` of the param:
@@ -106,17 +110,22 @@ class ShardedAdamMiniPlan(AdamMiniTritonPlan):
         return super()._launch_list(groups)
 
     def _items(self, part: LocalRows, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
-        if part.kind == "block":
-            return [(tensor, r0, nr, b, GIVEN) for r0, nr, b in part.runs]
+        if part.kind == "block":  # the block's v is read, not formed: its rows split into items as rows do
+            return [(tensor, r, min(rows_per_item, r0 + nr - r), b, GIVEN)
+                    for r0, nr, b in part.runs for r in range(r0, r0 + nr, rows_per_item)]  # fmt: skip
         kind = ADAM if part.kind == "adam" else ROW
         return [(tensor, r, min(rows_per_item, part.rows - r), 0 if kind == ADAM else r, kind)
                 for r in range(0, part.rows, rows_per_item)]  # fmt: skip
 
-    def block_sums(self, group: dict, checked_grads) -> None:
-        """This rank's Σ g² over its rows of each split block, added into its slots (blocks it holds
-        no row of stay 0; the caller zeroes the slots). Call after ``begin``."""
+    def take_grads(self, checked_grads) -> None:
+        """Upload this step's gradient table (multi-tensor) for the launches below, on the stream
+        that produced the gradients. Call after ``begin``."""
         if self.multi_tensor:
             self._grad_table = self._grads.update(self.params, checked_grads)
+
+    def block_sums(self, group: dict, checked_grads) -> None:
+        """This rank's Σ g² over its rows of each split block, added into its slots (blocks it holds
+        no row of stay 0; the caller zeroes the slots). Call after ``take_grads``."""
         if self._reduced:
             self.launch(self._sum_launches, group, checked_grads, self._sum_table if self.multi_tensor else None,
                         self._sum_views.__getitem__, grad_table=self._grad_table)  # fmt: skip
