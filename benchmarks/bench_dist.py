@@ -433,6 +433,18 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq", type=int, default=512)
 
 
+def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
+                    help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
+
+
+def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
+    """Sharded Muon's stages from ``--muon-stages`` (``add_muon_stages_arg``)."""
+    if args.muon_stages < 1:
+        ap.error("--muon-stages must be at least 1")
+    ShardedMuonGroupPlan.stages = args.muon_stages
+
+
 def model_config_of(args) -> ModelConfig:
     """The Llama-shaped model ``add_model_args``' arguments describe (vocabulary 32000)."""
     heads = args.heads or args.dim // 64
@@ -451,18 +463,15 @@ def main(argv=None) -> None:
     ap.add_argument("--windows", type=int, default=3,
                     help="profiled windows (exposed_comm_ms: the median of their iterations)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
-                    help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
+    add_muon_stages_arg(ap)
     ap.add_argument("--zero2-step", choices=("pipelined", "single"), default="pipelined",
                     help="DistributedAdamW's step: the first-gathered bucket stepped between the halves of the "
                          "rest, or one launch after every reduce-scatter")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    if args.muon_stages < 1:
-        ap.error("--muon-stages must be at least 1")
+    use_muon_stages(ap, args)
     if args.profiled < 2 or args.windows < 1:
         ap.error("--profiled must be at least 2 (a window's first iteration is not counted) and --windows at least 1")
-    ShardedMuonGroupPlan.stages = args.muon_stages
     DistributedAdamW.pipelined_step = args.zero2_step == "pipelined"
     rank, world, device, launcher = _init()
     model_config = model_config_of(args)

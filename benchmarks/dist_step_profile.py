@@ -41,7 +41,15 @@ os.environ.setdefault("KERNEL_FACTORY_PRECOMPILE", "0")  # before kernel_factory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
-from benchmarks.bench_dist import OURS, _init, add_model_args, build, model_config_of  # noqa: E402
+from benchmarks.bench_dist import (  # noqa: E402
+    OURS,
+    _init,
+    add_model_args,
+    add_muon_stages_arg,
+    build,
+    model_config_of,
+    use_muon_stages,
+)
 from benchmarks.convergence.model import ModelConfig  # noqa: E402
 
 HOLD_CYCLES = 50_000_000  # the sleep kernel's clock cycles: ~25 ms at 2 GHz, longer than any step's host time
@@ -187,7 +195,9 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--configs", default=",".join(f"{w}+{o}" for o in OURS for w in ("fsdp2", "shard")))
     ap.add_argument("--out", type=Path, required=True)
+    add_muon_stages_arg(ap)
     args = ap.parse_args(argv)
+    use_muon_stages(ap, args)
     rank, world, device, _ = _init()
     model_config = model_config_of(args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -129,7 +129,9 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     momentum buffers within ``tol`` (normwise relative; 0: bitwise), and the largest update of the
     last step (telemetry, the ranks' maximum) within 1e-6 of one process's."""
     opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
-    amax = torch.tensor(float(opt.telemetry.summary()["amax_update"]))
+    # a tensor on this rank's GPU under NCCL (it reduces no CPU tensor), on the CPU under Gloo
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    amax = torch.tensor(float(opt.telemetry.summary()["amax_update"]), device=on)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     expected = float(one_process(SHARDED_MUON, 4, device)[1].telemetry.summary()["amax_update"])
     assert expected > 0 and abs(float(amax) - expected) <= 1e-6 * expected, (float(amax), expected)
@@ -193,11 +195,14 @@ def took_split_launches(opt, device: str, backend: str, expected) -> None:
 
 
 def steps_without_host_sync(rank: int, world: int, name: str) -> None:
-    """Adafactor (32-bit statistics, int8 first moment) or TurboAdam on FSDP2's shards steps with the
-    CUDA sync debug mode raising: step counts, statistics and column sums stay on the GPU (NCCL: one
-    rank per GPU, or one rank, whose all-reduces need no host either)."""
+    """Adafactor (32-bit statistics, int8 first moment), TurboAdam or AdamMini (FP8; its split blocks
+    on a side stream) on FSDP2's shards steps with the CUDA sync debug mode raising: step counts,
+    statistics and column sums stay on the GPU (NCCL: one rank per GPU, or one rank, whose
+    all-reduces need no host either)."""
     use_gpu()
-    model, opt = sharded(world, {"Adafactor": SHARDED_ADAFACTOR_INT8, "TurboAdam": SHARDED_TURBO_ADAM}[name], "cuda")
+    builds = {"Adafactor": SHARDED_ADAFACTOR_INT8, "TurboAdam": SHARDED_TURBO_ADAM,
+              "AdamMini": lambda ps: sharded_adam_mini(ps, "fp8")}  # fmt: skip
+    model, opt = sharded(world, builds[name], "cuda")
     fsdp_step(model, opt, 0, rank, world)  # the first step builds the states and the plan
     for step in range(1, 3):
         model(targets(step, rank, world, "cuda")).backward()

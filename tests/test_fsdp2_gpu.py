@@ -54,7 +54,7 @@ def test_adafactor_under_fsdp2_on_the_gpu_follows_the_one_process_kernels(world,
         run_ranks(world, adafactor_int8_equal_to_one_process, 1e-3, "cuda")
 
 
-@pytest.mark.parametrize("name", ["Adafactor", "TurboAdam"])
+@pytest.mark.parametrize("name", ["Adafactor", "TurboAdam", "AdamMini"])
 def test_under_fsdp2_a_step_needs_no_host_sync(name):
     run_ranks(1, steps_without_host_sync, name, backend="nccl")
 

@@ -87,7 +87,7 @@ def test_adafactor_under_fsdp2_follows_the_one_process_kernels(world):
     nccl(world, adafactor_int8_equal_to_one_process, 1e-3, "cuda")
 
 
-@pytest.mark.parametrize("name", ["Adafactor", "TurboAdam"])
+@pytest.mark.parametrize("name", ["Adafactor", "TurboAdam", "AdamMini"])
 def test_a_sharded_step_needs_no_host_sync(name):
     nccl(2, steps_without_host_sync, name)
 

@@ -8,7 +8,7 @@ import torch
 from kernel_factory.generator import NEWTON_SCHULZ
 from kernel_factory.optimizers import Muon, fast_newton_schulz
 from kernel_factory.optimizers.muon.newton_schulz import coefficient_schedule, iterate, reference_newton_schulz
-from kernel_factory.optimizers.muon.newton_schulz_launch import symmetric_product
+from kernel_factory.optimizers.muon.newton_schulz_launch import normalized, symmetric_product
 from kernel_factory.optimizers.muon.plan import TritonBatch
 from kernel_factory.optimizers.parity import compare_tensors
 
@@ -40,6 +40,16 @@ def test_triton_kernels_match_torchs_bf16_ns5(shape, config):
     assert compare_tensors("ns", "X", out, ref, NS_TOL).passed
     # and the public entry point (the tuned choice) against torch.optim.Muon's iteration
     assert compare_tensors("ns", "O", fast_newton_schulz(g), reference_newton_schulz(g), NS_TOL).passed
+
+
+def test_normalized_on_cuda_has_the_bits_of_the_fp32_quotient_rounded_to_bf16():
+    # CUDA divides bf16 tensors in fp32 (a tensor divisor: no reciprocal), rounding once.
+    scales = 10.0 ** torch.randint(-8, 4, (6, 1, 1), device="cuda").float()
+    x = (torch.randn(6, 768, 2048, device="cuda") * scales).bfloat16()
+    for xb in (x, x.mT):
+        norm = torch.linalg.vector_norm(xb, dim=(-2, -1)).float()
+        expected = xb.float().div(norm[:, None, None]).to(torch.bfloat16)
+        assert torch.equal(normalized(xb, norm).view(torch.int16), expected.view(torch.int16))
 
 
 def _exact_ns(x: torch.Tensor, schedule) -> torch.Tensor:

@@ -13,6 +13,7 @@ from kernel_factory.optimizers.muon.newton_schulz_launch import (
     PRODUCTS,
     hopper_fits,
     joint_newton_schulz,
+    normalized,
     per_product,
     triton_newton_schulz,
 )
@@ -87,6 +88,18 @@ def test_joint_iterations_match_each_batch_alone(config, scaled):
     for x, out in zip(inputs, outs, strict=True):
         assert compare_tensors("ns", "X", out, iterate(x, schedule, TORCH), FP32_TOL).passed
     assert torch.equal(outs[1][0], torch.zeros_like(outs[1][0]))
+
+
+def test_normalized_has_the_bits_of_the_fp32_quotient_rounded_to_bf16():
+    # Muon's norms are bf16 values (torch's bf16 vector_norm): divided as bf16, the same bits as
+    # x.float() / norm rounded to bf16 (one launch in place of three); x's layout kept.
+    gen = torch.Generator().manual_seed(0)
+    scales = 10.0 ** torch.randint(-8, 4, (4, 1, 1), generator=gen).float()
+    x = (torch.randn(4, 96, 64, generator=gen) * scales).bfloat16().mT
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1)).float()
+    out = normalized(x, norm)
+    assert out.dtype == torch.bfloat16 and out.stride() == x.stride()
+    assert torch.equal(out.view(torch.int16), x.float().div(norm[:, None, None]).to(torch.bfloat16).view(torch.int16))
 
 
 def test_per_product_configs_name_every_product():

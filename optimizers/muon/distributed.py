@@ -277,6 +277,8 @@ class ShardedMuonGroupPlan:
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
         self.key = key
+        self._hyper: MuonHyper | None = None  # this step's, from send to finish
+        self._pending: list = []  # the batches whose replies are in flight (start -> finish)
         batches: dict[tuple, list[DTensor]] = {}
         for p in params:
             if p.is_complex():  # torch.optim.Muon's error
@@ -304,10 +306,27 @@ class ShardedMuonGroupPlan:
         return [ns for _, runs in self.staged for ns in runs]
 
     def run(self, group: dict) -> None:
-        h = MuonHyper(group)
+        """One step of the group's sharded matrices (``send``, ``start``, ``finish``)."""
+        self.send(group)
+        self.start()
+        self.finish()
+
+    def send(self, group: dict) -> None:
+        """The momentum of every batch's rows and their all-to-alls to the owners, left moving:
+        the caller may issue other work (the AdamW groups' steps) before ``start`` waits for the
+        first stage's."""
+        h = self._hyper = MuonHyper(group)
         for batch in self.batches:  # every all-to-all to the owners starts now, in the same order on every rank
             with _on(batch.device):
                 batch.send(h)
+
+    def start(self) -> None:
+        """The stages' NS up to the last stage's replies, which are left moving: the caller may
+        issue other work before ``finish`` applies them. Every stage's replies are issued before
+        the stage before it is applied, so each moves under the next stage's NS (the first
+        stages) or under the caller's work and ``finish`` (the last)."""
+        h = self._hyper
+        self._pending = []
         for stage, runs in self.staged:
             for batch in stage:
                 with _on(batch.device):
@@ -320,9 +339,18 @@ class ShardedMuonGroupPlan:
                 ortho = orthos.get(id(batch))
                 with _on(batch.device):
                     batch.reply(h, batch.orthogonalize(h) if ortho is None else ortho)
-        for batch in self.batches:
+            self._apply(self._pending)
+            self._pending = stage
+
+    def finish(self) -> None:
+        """The last stage's update, once its replies are back (after ``start``)."""
+        self._apply(self._pending)
+        self._pending = []
+
+    def _apply(self, batches: list) -> None:
+        for batch in batches:
             with _on(batch.device):
-                batch.apply(h)
+                batch.apply(self._hyper)
 
     def update_amax(self) -> Tensor:
         if not self.batches:

@@ -102,8 +102,12 @@ def _work(x: Tensor) -> int:
 
 def normalized(x: Tensor, norm: Tensor) -> Tensor:
     """x[b] / norm[b] rounded to x's dtype, as torch's NS divides its bf16 input by the norm:
-    x (B, m, n), norm (B,) fp32."""
-    return x.float().div(norm[:, None, None]).to(x.dtype)
+    x (B, m, n), norm (B,) fp32 holding values of x's dtype (Muon's norms are bf16 values: torch's
+    bf16 vector_norm, ``norm_kernel``). The quotient is formed in fp32 and rounded once, the bits
+    of ``x.float() / norm`` rounded to x's dtype; dividing by the norm cast to x's dtype (exact)
+    keeps it one elementwise launch of x's dtype, without the fp32 copies in between or a
+    mixed-dtype launch (three launches, or one at a third of the copy rate, on an H200)."""
+    return x / norm.to(x.dtype)[:, None, None]
 
 
 def joint_newton_schulz(xs: list[Tensor], schedule: list[tuple[float, float, float]], config: Mapping | None = None,

@@ -181,6 +181,15 @@ class Muon(torch.optim.Optimizer):
         """One Muon/AdamW update of every parameter with a grad. Returns ``closure()``'s loss."""
         loss = start_step(self, closure)
         with self.telemetry.step(self.param_groups[0]["params"][0].device) as telemetry:
+            # FSDP2's matrices: an owner rank per matrix (distributed.py). Their all-to-alls to the
+            # owners move while the other groups step; the last replies while the first are applied.
+            sharded_plans = []
+            for index, group in enumerate(self.param_groups):
+                sharded = [p for p in group["params"] if p.grad is not None and isinstance(p, DTensor)]
+                if group["use_muon"] and sharded:
+                    plan = sharded_muon_group_plan(self._plans, index, sharded, self.state)
+                    plan.send(group)
+                    sharded_plans.append(plan)
             for index, group in enumerate(self.param_groups):
                 params = [p for p in group["params"] if p.grad is not None]
                 if not params:
@@ -188,16 +197,16 @@ class Muon(torch.optim.Optimizer):
                 if group["use_muon"]:
                     # One batch per NS shape (plan.py): same-shape matrices, tall ones transposed (NS of
                     # Xᵀ is NS(X)ᵀ, and torch's own NS transposes a tall matrix the same way).
-                    sharded = [p for p in params if isinstance(p, DTensor)]
                     plan = muon_group_plan(self._plans, index, [p for p in params if not isinstance(p, DTensor)],
                                            self.state)  # fmt: skip
                     plan.run(group)
-                    if sharded:  # FSDP2's matrices: an owner rank per matrix (distributed.py)
-                        telemetry.watch("amax_update", plan.update_amax)
-                        plan = sharded_muon_group_plan(self._plans, index, sharded, self.state)
-                        plan.run(group)
                 else:
                     plan = group_stepper("adamw")(self._plans, index, params, self.state, group)
                     plan.run(group, None, None)
+                telemetry.watch("amax_update", plan.update_amax)
+            for plan in sharded_plans:
+                plan.start()
+            for plan in sharded_plans:
+                plan.finish()
                 telemetry.watch("amax_update", plan.update_amax)
         return loss
