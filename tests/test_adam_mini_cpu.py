@@ -125,6 +125,22 @@ def test_state_dict_round_trip_through_weights_only_load():
     assert steps_stay_equal(a, opt_a, b, opt_b)
 
 
+def test_an_added_group_is_partitioned_and_split_by_decay_as_the_constructor_does():
+    # the layers given later (a model unfrozen in stages) step as if given at construction
+    build = lambda named: AdamMini(named, lr=1e-2, weight_decay=0.1, momentum_dtype="fp32", **GEOMETRY)  # noqa: E731
+    whole, staged = gqa_model(), gqa_model()
+    opt_whole = build(whole.named())
+    first = len(staged.params) // 2
+    opt = build(staged.named()[:first])
+    opt.add_param_group({"params": staged.named()[first:]})
+    assert sorted(opt.partition_table()) == sorted(opt_whole.partition_table())  # (name, shape, kind, blocks, dtype)
+    assert {g["weight_decay"] for g in opt.param_groups[-2:]} == {0.1, 0.0}  # norms and biases do not decay
+    assert all("step" in opt.state[p] for p in staged.params)
+    assert steps_stay_equal(whole, opt_whole, staged, opt)
+    with pytest.raises(TypeError, match="named parameters"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))]})
+
+
 def test_lr_scheduler_drives_every_group():
     model = gqa_model()
     opt = AdamMini(model.named(), lr=1e-2, weight_decay=0.1, momentum_dtype="fp32", **GEOMETRY)

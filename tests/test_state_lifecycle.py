@@ -5,9 +5,12 @@ raises instead of silently doing nothing."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
-from mini_models import OPTIMIZERS, gqa_model, no_decay_optimizer
+from mini_models import OPTIMIZERS, fresh_grads, gqa_model, no_decay_optimizer, steps_stay_equal
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from kernel_factory.optimizers import AdamW, Muon
@@ -63,3 +66,20 @@ def test_state_of_a_muon_model_is_split_between_its_families():
     opt = Muon(model.named())
     keys = [set(opt.state[p]) for p in model.parameters()]
     assert keys == [{"step", "exp_avg", "exp_avg_sq"}, {"momentum_buffer"}, {"step", "exp_avg", "exp_avg_sq"}]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_copied_optimizer_keeps_its_settings_and_steps_as_the_original(name, how):
+    # torch.optim pickles defaults, state and param groups alone: a seed or a block partition set in
+    # __init__, and the plans and telemetry the step builds, must come back too
+    model = gqa_model()
+    opt = no_decay_optimizer(name, model)
+    if hasattr(opt, "seed"):
+        opt.seed = 1234
+    fresh_grads(model)
+    opt.step()  # plans and telemetry built: the copies must not share or lack them
+    twin, twin_opt = copy.deepcopy((model, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, opt)))
+    assert getattr(twin_opt, "seed", None) == getattr(opt, "seed", None)
+    assert steps_stay_equal(model, opt, twin, twin_opt)
+    assert twin_opt.telemetry.summary().keys() == opt.telemetry.summary().keys()

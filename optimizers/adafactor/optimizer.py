@@ -28,6 +28,7 @@ from kernel_factory.generator import backend_mode
 from ..shared import log_codes, precompile
 from ..shared.checks import check_param_grad, start_step
 from ..shared.dtensor import DTensor, local
+from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
@@ -41,7 +42,7 @@ BLOCK = 128  # statistics per block of a row: one int16 base each
 MIN_CODED_VECTOR = 4096  # a vector's per-element variance is coded from this many elements on
 
 
-class Adafactor(torch.optim.Optimizer):
+class Adafactor(KeepsSettings, torch.optim.Optimizer):
     """torch.optim.Adafactor's arguments, checks and math, plus ``state_bits``.
 
     Args:
@@ -72,6 +73,7 @@ class Adafactor(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     backend: str | None = None  # None: KERNEL_FACTORY_BACKEND decides; subclasses may pin it
+    _settings = ("seed",)  # pickled (KeepsSettings)
 
     def __init__(
         self,
@@ -115,11 +117,15 @@ class Adafactor(torch.optim.Optimizer):
         defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
                         maximize=maximize, state_bits=state_bits, beta1=beta1,
                         momentum_dtype=momentum_dtype)  # fmt: skip
+        self._new_caches()
+        super().__init__(precompile.begin(params), defaults)
+        precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
+
+    def _new_caches(self) -> None:
+        """What the step builds and keeps (KeepsSettings: after unpickling too)."""
         self._plans: dict[int, AdafactorGroupPlan] = {}
         self._sums: tuple[list, tuple | None] = ([], None)  # (the plans they serve, the shard groups' sums)
-        super().__init__(precompile.begin(params), defaults)
         self.telemetry = Telemetry({**AMAX_UPDATE, SKIPPED_STEPS: TOTAL})  # the last step's largest |update|, skips
-        precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

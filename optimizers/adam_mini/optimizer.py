@@ -28,6 +28,7 @@ from ..shared.checks import (
     start_step,
 )
 from ..shared.dtensor import DTensor, local, row_shard_group
+from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.side_stream import SideStream
 from ..shared.state_dict import own_loaded_state
@@ -42,7 +43,7 @@ from .distributed import (
     sharded_fp8_state,
 )
 from .fp8 import FALLBACK_CAPACITY, SUB_BLOCKS, fp8_layout, new_fp8_state
-from .partition import ModelShape, NameRules, ParamPartition, build_partition, format_table
+from .partition import ModelShape, NameRules, ParamPartition, Partition, format_table, partition_param
 from .plan import AdamMiniTritonPlan
 from .reference import adam_mini_reference_step
 from .sharded_plan import ShardedAdamMiniPlan
@@ -85,7 +86,7 @@ def _named_groups(named_parameters) -> list[dict]:
     return groups
 
 
-class AdamMini(torch.optim.Optimizer):
+class AdamMini(KeepsSettings, torch.optim.Optimizer):
     """Adam-mini (arXiv:2406.16793) with fp32, bf16 or FP8 (E4M3, per-sub-block scales) momentum.
 
     Args:
@@ -109,6 +110,8 @@ class AdamMini(torch.optim.Optimizer):
     """
 
     backend: str | None = None  # "torch" pins the reference path
+    _settings = ("model_shape", "momentum_dtype", "sub_block", "fallback_capacity", "name_rules", "qkv_split",
+                 "partition", "_group_parts")  # pickled (KeepsSettings)
 
     def __init__(
         self,
@@ -138,35 +141,12 @@ class AdamMini(torch.optim.Optimizer):
             raise ValueError(f"fallback_capacity must be in (0, 1], got {fallback_capacity!r}")
         self.model_shape = ModelShape(dim, n_heads, n_kv_heads, head_dim)
         self.momentum_dtype, self.sub_block, self.fallback_capacity = momentum_dtype, sub_block, fallback_capacity
-        groups = _named_groups(precompile.begin(named_parameters))
-        self.partition = build_partition([pair for g in groups for pair in g["params"]], self.model_shape,
-                                         name_rules, qkv_split)  # fmt: skip
-        parts = iter(self.partition.params)
-        self._parts: dict[int, ParamPartition] = {}
-        split_groups = []
-        for g in groups:
-            decay, no_decay = [], []
-            for name, p in g["params"]:
-                part = next(parts)
-                self._parts[id(p)] = part
-                (decay if part.weight_decay else no_decay).append((name, p))
-            extra = {k: v for k, v in g.items() if k != "params"}
-            split_groups += [dict(extra, params=decay)] if decay else []
-            split_groups += [dict(extra, params=no_decay, weight_decay=0.0)] if no_decay else []
+        self.name_rules, self.qkv_split = name_rules or NameRules(), qkv_split
+        self.partition = Partition()  # each param's blocks, in the order the groups were added
+        self._group_parts: list[list[ParamPartition]] = []  # the same, one list per param group
+        self._new_caches()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(split_groups, defaults)
-        for g in self.param_groups:
-            check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
-        self.telemetry = Telemetry(TELEMETRY)
-        self._plans: dict[int, tuple] = {}  # group index -> its plans (and a sharded key: the sharded ones)
-        self._sharded: dict[int, ShardedParam] = {}
-        # (the plans they serve, the slots, each buffer's elements per block: ShardSums.slotwise)
-        self._block_slots: tuple[list | None, ShardSums | None, list[Tensor]] = (None, None, [])
-        self._side = SideStream()  # the split blocks' chain of the sharded step (CUDA)
-        for g in self.param_groups:  # state up front: DCP fakes a step on an optimizer without any
-            for p in g["params"]:
-                if p.requires_grad and not p.is_meta:
-                    self._init_state(p, self._parts[id(p)])
+        super().__init__(_named_groups(precompile.begin(named_parameters)), defaults)  # add_param_group each
         # plans built now, kernels compiling in the background (FSDP2's params plan at the step)
         precompile.plan_ahead(self, lambda index, group, params: self._group_plan(
             index, [p for p in params if not isinstance(p, DTensor)]))  # fmt: skip
@@ -176,6 +156,41 @@ class AdamMini(torch.optim.Optimizer):
                       "to change that)")  # fmt: skip
         if verbose:
             print(format_table(self.partition_table()))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, for named parameters: ``param_group["params"]`` are (name, tensor) pairs, as the
+        constructor takes them. The new params' blocks follow the optimizer's model shape and name
+        rules (``partition.py``); those that take no weight decay (norms, biases) go to a second
+        group with weight_decay 0, as the constructor splits its groups. Their state is created at
+        once (DCP reads it before any step)."""
+        (group,) = _named_groups([param_group])
+        pairs = group.pop("params")
+        parts = [partition_param(name, p, self.model_shape, self.name_rules, self.qkv_split) for name, p in pairs]
+        for wanted, extra in ((True, {}), (False, {"weight_decay": 0.0})):
+            chosen = [(pair, part) for pair, part in zip(pairs, parts, strict=True) if part.weight_decay == wanted]
+            if chosen:
+                super().add_param_group(dict(group, params=[pair for pair, _ in chosen], **extra))
+                self._group_parts.append([part for _, part in chosen])
+                g = self.param_groups[-1]
+                check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        self.partition.params.extend(parts)
+        for (_, p), part in zip(pairs, parts, strict=True):
+            self._parts[id(p)] = part
+            if p.requires_grad and not p.is_meta:  # state up front: DCP fakes a step on an optimizer without any
+                self._init_state(p, part)
+
+    def _new_caches(self) -> None:
+        """Each param's blocks by the param, and what the step builds and keeps: plans, telemetry,
+        the sharded step's buffers and stream (KeepsSettings: after unpickling too)."""
+        groups = zip(getattr(self, "param_groups", []), self._group_parts, strict=True)
+        self._parts: dict[int, ParamPartition] = {id(p): part for g, parts in groups
+                                                  for p, part in zip(g["params"], parts, strict=True)}  # fmt: skip
+        self.telemetry = Telemetry(TELEMETRY)
+        self._plans: dict[int, tuple] = {}  # group index -> its plans (and a sharded key: the sharded ones)
+        self._sharded: dict[int, ShardedParam] = {}
+        # (the plans they serve, the slots, each buffer's elements per block: ShardSums.slotwise)
+        self._block_slots: tuple[list | None, ShardSums | None, list[Tensor]] = (None, None, [])
+        self._side = SideStream()  # the split blocks' chain of the sharded step (CUDA)
 
     def partition_table(self) -> list[tuple]:
         """Rows (name, shape, kind, blocks, momentum dtype), one per parameter."""

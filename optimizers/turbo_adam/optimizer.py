@@ -26,6 +26,7 @@ from ..shared.checks import (
     start_step,
 )
 from ..shared.dtensor import DTensor, local, local_row_indices
+from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
@@ -46,7 +47,7 @@ _ADAMW_KEYS = dict(amsgrad=False, maximize=False, foreach=None, fused=None, diff
                    decoupled_weight_decay=True)  # fmt: skip
 
 
-class TurboAdam(torch.optim.Optimizer):
+class TurboAdam(KeepsSettings, torch.optim.Optimizer):
     """AdamW with compressed moments (decoupled weight decay).
 
     Args:
@@ -77,6 +78,7 @@ class TurboAdam(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     backend: str | None = None  # None: KERNEL_FACTORY_BACKEND decides; subclasses may pin it (as AdamW)
+    _settings = ("seed",)  # pickled (KeepsSettings)
 
     def __init__(
         self,
@@ -120,11 +122,15 @@ class TurboAdam(torch.optim.Optimizer):
                           f"use; {name}={value!r} is ignored (block_size sets the scales' blocks)")  # fmt: skip
         self.seed = rounding_seed
         super().__init__(precompile.begin(params), defaults)
+        self._new_caches()
+        precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
+
+    def _new_caches(self) -> None:
+        """What the step builds and keeps (KeepsSettings: after unpickling too)."""
         self._exact_plans: dict[int, object] = {}
         self._plans: dict[int, TurboGroupPlan] = {}
         self._columns: tuple[list, ShardSums | None] = ([], None)  # (the plans it serves, its buffers)
         self.telemetry = Telemetry(TELEMETRY)
-        precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
