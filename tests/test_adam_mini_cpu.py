@@ -75,8 +75,9 @@ def test_head_dim_other_than_dim_over_heads_and_fused_qkv():
 
 def test_unmatched_parameters_are_listed_and_warned_about():
     p = torch.nn.Parameter(torch.randn(6, 5))
-    with pytest.warns(RuntimeWarning, match="no name rule matched.*mystery"):
+    with pytest.warns(RuntimeWarning, match="no name rule matched.*mystery") as record:
         opt = AdamMini([("mystery", p)], momentum_dtype="fp32", **GEOMETRY)
+    assert record[0].filename == __file__  # the user's line, not the library's
     assert opt.partition_table() == [("mystery", (6, 5), "whole (unmatched)", 1, "fp32")]
     opt = AdamMini([("mystery", p)], momentum_dtype="fp32", name_rules=NameRules().extended(mlp=("myst",)),
                    **GEOMETRY)  # fmt: skip
@@ -112,6 +113,8 @@ def test_fp8_on_cpu_keeps_bf16_momentum_with_a_warning():
         fresh_grads(model)
         opt.step()
     assert any("bf16 momentum" in str(w.message) for w in caught)
+    # raised under torch's constructor (add_param_group), attributed to the line that built it
+    assert all(w.filename == __file__ for w in caught if "bf16 momentum" in str(w.message))
     assert {r[4] for r in opt.partition_table()} == {"bf16"}
     assert opt.state[model.params[0]]["exp_avg"].dtype == torch.bfloat16
 

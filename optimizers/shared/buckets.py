@@ -15,8 +15,11 @@ hyperparameter object to them; nothing here knows any family's hyperparameters.
 from __future__ import annotations
 
 import math
+import os
 import struct
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -27,13 +30,28 @@ from kernel_factory.generator import interpreter_enabled, triton_available
 TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 _warned: set[str] = set()
+# Frames a warning skips to reach the caller's line: this package's, and torch's (torch.optim's
+# constructor calls add_param_group, its step wrappers call step)
+_LIBRARY_DIRS = tuple(str(Path(m.__file__).resolve().parent) + os.sep
+                      for m in (torch, sys.modules["kernel_factory.generator"],
+                                sys.modules[__name__.rsplit(".", 2)[0]]))  # fmt: skip
 
 
-def warn_once(message: str, stacklevel: int = 5) -> None:
-    """``RuntimeWarning(message)`` the first time this process sees ``message``."""
+def warn_once(message: str) -> None:
+    """``RuntimeWarning(message)`` the first time this process sees ``message``, attributed to the
+    first line outside this package and torch (the user's call)."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel, called from ``warn_once``, of the first frame outside the
+    library directories."""
+    frame, level = sys._getframe(2), 2  # warn_once's caller is level 2 of warnings.warn there
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def kernel_path(p: Tensor, mode: str) -> str:
