@@ -15,7 +15,10 @@ gradients (shard), and reports, as medians over ``--iters`` steps:
   the step): the GPU's own time, collectives' latency included;
 - ``kernels``: kernels per step (torch.profiler), with the GPU time of the largest by name in
   ``DIR/<config>_kernels.txt``, the host's time per operator (torch.profiler's CPU activity) in
-  ``DIR/<config>_ops.txt`` and its cProfile in ``DIR/<config>_host.txt`` (rank 0).
+  ``DIR/<config>_ops.txt`` and its cProfile in ``DIR/<config>_host.txt`` (rank 0);
+- ``DIR/<config>_timeline.txt``: one held step's kernels in time order (start from the step's
+  release, duration, stream), then each stream's busy time and the first stream's idle gaps: what
+  overlaps and what waits (rank 0).
 
 Kernels compile in the caller (``KERNEL_FACTORY_PRECOMPILE=0``): background compiles of variants
 a step may never launch would take the GIL from the steps being timed.
@@ -108,6 +111,61 @@ def kernel_table(opt: torch.optim.Optimizer, steps: int) -> tuple[float, str]:
     return count, "\n".join(lines)
 
 
+def held_step_timeline(opt: torch.optim.Optimizer, steps: int = 3) -> str:
+    """The kernels of the last of ``steps`` held steps (as ``timed_steps``' gpu column), as
+    ``format_timeline`` lays them out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    marker = torch.zeros(1, device=torch.cuda.current_device())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            dist.barrier()
+            torch.cuda._sleep(HOLD_CYCLES)
+            dist.all_reduce(marker)
+            opt.step()
+            torch.cuda.synchronize()
+    events = [(e.name, e.time_range.start, e.time_range.end - e.time_range.start,
+               getattr(e, "device_resource_id", None)) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+    return format_timeline(events)
+
+
+def format_timeline(events: list[tuple[str, float, float, object]], gap_us: float = 5.0) -> str:
+    """``events`` (name, start us, duration us, stream) of held steps: the last step's (after the
+    last sleep kernel, from the end of the all-reduce that releases it), one line each, then the
+    busy time per stream and the gaps over ``gap_us`` on the stream of the step's first kernel."""
+    events = sorted(events, key=lambda e: e[1])
+    holds = [i for i, e in enumerate(events) if "sleep" in e[0].lower() or "spin" in e[0].lower()]
+    if not holds:
+        return "no held step found\n"
+    after = events[holds[-1] + 1 :]
+    release = next((i for i, e in enumerate(after) if "AllReduce" in e[0]), None)
+    if release is None:
+        return "no releasing all-reduce found\n"
+    t0 = after[release][1] + after[release][2]
+    step = after[release + 1 :]
+    lines = [f"{'start':>8} {'us':>7} {'stream':>6}  kernel"]
+    lines += [f"{start - t0:8.1f} {dur:7.1f} {stream!s:>6}  {name[:90]}" for name, start, dur, stream in step]
+    end = max((start + dur for _, start, dur, _ in step), default=t0)
+    lines += ["", f"step: {end - t0:.1f} us from its release to its last kernel's end"]
+    busy: dict[object, float] = {}
+    for _, _, dur, stream in step:
+        busy[stream] = busy.get(stream, 0.0) + dur
+    lines += [f"stream {stream}: busy {us:.1f} us" for stream, us in busy.items()]
+    if step:
+        main = step[0][3]
+        cursor, gaps = t0, []
+        for name, start, dur, stream in step:
+            if stream != main:
+                continue
+            if start - cursor > gap_us:
+                gaps.append((cursor - t0, start - cursor, name))
+            cursor = max(cursor, start + dur)
+        lines += [f"stream {main} idle {g:.1f} us from {at:.1f}, before {name[:60]}" for at, g, name in gaps]
+    return "\n".join(lines) + "\n"
+
+
 def op_table(opt: torch.optim.Optimizer, steps: int) -> str:
     """The host's time per operator over ``steps`` steps (torch.profiler, CPU activity)."""
     from torch.profiler import ProfilerActivity, profile
@@ -178,7 +236,9 @@ def run(config: str, args, model_config: ModelConfig, device: torch.device, worl
     row["kernels"], kernels = kernel_table(opt, 5)
     ops = op_table(opt, 5)
     host = host_profile(opt, args.iters)
+    timeline = held_step_timeline(opt)
     if rank == 0:
+        (args.out / f"{config}_timeline.txt").write_text(timeline)
         (args.out / f"{config}_ops.txt").write_text(ops + "\n")
         (args.out / f"{config}_kernels.txt").write_text(kernels + "\n")
         (args.out / f"{config}_host.txt").write_text(host)

@@ -116,3 +116,19 @@ def test_exposed_communication_is_cut_into_iterations_at_the_markers_and_named_b
     # counted whole, the marker at 200 is a compute kernel covering 1 us of the gather
     assert exposed_ms(kernels) == pytest.approx((30 + 80 - 1 + 20 + 10 + 30) / 1e3)
     assert collective("gemm") is None and collective("ncclKernel_Unknown") == "other"
+
+
+def test_the_timeline_keeps_the_last_held_step_from_its_release_with_idle_gaps():
+    from benchmarks.dist_step_profile import format_timeline
+
+    events = [("spin_kernel", 0, 100, 7), ("ncclDevKernel_AllReduce", 100, 5, 20), ("a", 106, 10, 7),
+              ("spin_kernel", 200, 100, 7), ("ncclDevKernel_AllReduce", 300, 10, 20),
+              ("update", 311, 20, 7), ("ncclDevKernel_SendRecv", 315, 40, 20), ("apply", 370, 10, 7)]  # fmt: skip
+    text = format_timeline(events)
+    rows = [line.split() for line in text.splitlines()[1:4]]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("1.0", "20.0", "7", "update"),
+                                                         ("5.0", "40.0", "20", "ncclDevKernel_SendRecv"),
+                                                         ("60.0", "10.0", "7", "apply")]  # fmt: skip
+    assert "step: 70.0 us" in text and "stream 7: busy 30.0 us" in text
+    assert "stream 7 idle 39.0 us from 21.0, before apply" in text  # 331 -> 370: waiting on the SendRecv
+    assert format_timeline([("k", 0, 1, 7)]) == "no held step found\n"
