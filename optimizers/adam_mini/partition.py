@@ -189,10 +189,3 @@ def partition_param(name: str, p: Tensor, shape: ModelShape, rules: NameRules,
     if _has(lower, rules.embed + rules.output + rules.value + rules.attn_out + rules.mlp):
         return make("row", [Segment(0, rows, 1)])
     return make("whole", [Segment(0, rows, rows)], matched=_has(lower, rules.norm))
-
-
-def build_partition(named_params, shape: ModelShape, rules: NameRules | None = None,
-                    qkv_split: tuple[int, int, int] | None = None) -> Partition:  # fmt: skip
-    """Partition ``named_params`` ((name, tensor) pairs)."""
-    rules = rules or NameRules()
-    return Partition([partition_param(n, p, shape, rules, qkv_split) for n, p in named_params])
