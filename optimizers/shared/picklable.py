@@ -21,6 +21,7 @@ class KeepsSettings:
     _settings: tuple[str, ...] = ()
 
     def _new_caches(self) -> None:
+        """Create the step's caches (plans, telemetry, buffers): each optimizer's own."""
         raise NotImplementedError
 
     def __getstate__(self) -> dict:
