@@ -434,6 +434,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
+    """``--muon-stages`` (``use_muon_stages`` applies it)."""
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
 

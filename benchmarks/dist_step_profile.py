@@ -58,6 +58,13 @@ from benchmarks.convergence.model import ModelConfig  # noqa: E402
 HOLD_CYCLES = 50_000_000  # the sleep kernel's clock cycles: ~25 ms at 2 GHz, longer than any step's host time
 
 
+def hold(marker: torch.Tensor) -> None:
+    """Hold this rank's stream back by a sleep long enough for the host to issue a step ahead, then
+    line the ranks' streams up by an all-reduce of ``marker`` (their clocks differ)."""
+    torch.cuda._sleep(HOLD_CYCLES)
+    dist.all_reduce(marker)
+
+
 def _events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -81,8 +88,7 @@ def timed_steps(opt: torch.optim.Optimizer, iters: int) -> dict[str, float]:
         dist.barrier()
         torch.cuda.synchronize()
         start, end = _events()
-        torch.cuda._sleep(HOLD_CYCLES)
-        dist.all_reduce(marker)  # the ranks' streams leave the sleep together (their clocks differ)
+        hold(marker)
         start.record()
         opt.step()
         end.record()
@@ -121,8 +127,7 @@ def held_step_timeline(opt: torch.optim.Optimizer, steps: int = 3) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             dist.barrier()
-            torch.cuda._sleep(HOLD_CYCLES)
-            dist.all_reduce(marker)
+            hold(marker)
             opt.step()
             torch.cuda.synchronize()
     events = [(e.name, e.time_range.start, e.time_range.end - e.time_range.start,
@@ -211,8 +216,7 @@ def collective_costs(device: torch.device, iters: int = 50) -> str:
         for _ in range(5):
             torch.cuda.synchronize()
             start, end = _events()
-            torch.cuda._sleep(HOLD_CYCLES)
-            dist.all_reduce(t)
+            hold(t)
             start.record()
             for _ in range(10):
                 call()

@@ -107,7 +107,7 @@ class ShardedAdamMiniPlan(AdamMiniTritonPlan):
                  for given in (False, True)}  # fmt: skip
         self._free_launches = super()._launch_list(split[False])
         self._given_launches = super()._launch_list(split[True])
-        return super()._launch_list(groups)
+        return self._free_launches + self._given_launches  # every launch (what a background compile warms)
 
     def _items(self, part: LocalRows, tensor: int, rows_per_item: int) -> list[tuple[int, int, int, int, int]]:
         if part.kind == "block":  # the block's v is read, not formed: its rows split into items as rows do

@@ -305,12 +305,6 @@ class ShardedMuonGroupPlan:
         """Every stage's joint NS runs."""
         return [ns for _, runs in self.staged for ns in runs]
 
-    def run(self, group: dict) -> None:
-        """One step of the group's sharded matrices (``send``, ``start``, ``finish``)."""
-        self.send(group)
-        self.start()
-        self.finish()
-
     def send(self, group: dict) -> None:
         """The momentum of every batch's rows and their all-to-alls to the owners, left moving:
         the caller may issue other work (the AdamW groups' steps) before ``start`` waits for the
