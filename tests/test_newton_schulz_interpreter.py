@@ -90,6 +90,26 @@ def test_joint_iterations_match_each_batch_alone(config, scaled):
     assert torch.equal(outs[1][0], torch.zeros_like(outs[1][0]))
 
 
+def test_a_tuned_torch_update_of_unnormalized_batches_starts_on_the_scaling_kernels(monkeypatch):
+    # A torch config carries the family default's tiles; with norms, the first update runs on the
+    # hopper kernels with them, scaling by the norm (no division of x first), the later ones on
+    # torch's matmuls: the same iterates as on normalized inputs.
+    from kernel_factory.optimizers.muon import newton_schulz_launch
+
+    configs = {"gram": HOPPER, "poly": HOPPER, "update": dict(NEWTON_SCHULZ.default_config, impl="torch")}
+    monkeypatch.setattr(newton_schulz_launch, "normalized", lambda *_: pytest.fail("x was divided first"))
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(shape, generator=gen) for shape, _ in JOINT]
+    xs = [x.mT if tall else x for x, (_, tall) in zip(xs, JOINT, strict=True)]
+    norms = [torch.linalg.vector_norm(x, dim=(-2, -1)) for x in xs]
+    norms[1][0] = float("inf")
+    schedule = coefficient_schedule(None, 3)
+    outs = joint_newton_schulz(xs, schedule, configs, norms)
+    for x, norm, out in zip(xs, norms, outs, strict=True):
+        assert compare_tensors("ns", "X", out, iterate(x / norm[:, None, None], schedule, TORCH), FP32_TOL).passed
+    assert torch.equal(outs[1][0], torch.zeros_like(outs[1][0]))
+
+
 def test_normalized_has_the_bits_of_the_fp32_quotient_rounded_to_bf16():
     # Muon's norms are bf16 values (torch's bf16 vector_norm): divided as bf16, the same bits as
     # x.float() / norm rounded to bf16 (one launch in place of three); x's layout kept.

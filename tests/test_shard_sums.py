@@ -50,3 +50,22 @@ def _slots_sum_over_ranks(rank: int, world: int) -> None:
 
 def test_slots_are_aligned_and_summed_over_the_ranks_at_once_or_left_running():
     run_ranks(2, _slots_sum_over_ranks)
+
+
+def _zero_clears_the_slots_no_step_writes(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    params = [distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]) for _ in SIZES]
+    sums = ShardSums(list(zip(params, SIZES, strict=True)))
+    ((_, buffer),) = sums.buffers
+    buffer.fill_(float(rank + 1))  # last step's sums everywhere, padding included
+    sums.written({id(params[0]), id(params[2])})
+    sums.zero_()  # clears the one slot no step writes; leaves the written ones as they were
+    assert torch.equal(sums[params[1]], torch.zeros(SIZES[1]))
+    assert all(torch.equal(sums[p], torch.full((n,), float(rank + 1))) for p, n in zip(params[::2], SIZES[::2],
+                                                                                      strict=True))  # fmt: skip
+    sums.zero_(whole=True)
+    assert not buffer.any()
+
+
+def test_zero_clears_only_the_slots_no_step_writes_unless_asked_for_every_buffer():
+    run_ranks(2, _zero_clears_the_slots_no_step_writes)

@@ -247,12 +247,12 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
         all-reduce per shard group after each: shard_sums.py): the split launches' (plan.py) and
         the PyTorch path's (``ShardedSteps``, returned by group index for the last phase). The
         all-reduces run on every rank even where a step is skipped."""
-        sums = self._shard_sums([plan for plan, _ in plans])
+        sums = self._shard_sums(plans)
         if sums is None:
             return {}
         red1, red2 = sums
-        red1.zero_()
-        red2.zero_()
+        red1.zero_(whole=skip)  # a skipped step's PyTorch-path slots are not written
+        red2.zero_(whole=skip)
         steps = {}
         for gi, (group, (plan, params)) in enumerate(zip(self.param_groups, plans, strict=True)):
             for launch in plan.launches:
@@ -275,20 +275,25 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
         red2.all_reduce()
         return steps
 
-    def _shard_sums(self, plans: list[AdafactorGroupPlan]) -> tuple[ShardSums, ShardSums] | None:
+    def _shard_sums(self, plans: list[tuple[AdafactorGroupPlan, list[Tensor]]]) -> tuple[ShardSums, ShardSums] | None:
         """The shard groups' sums of every sharded param of the optimizer (``shard_slots``: the same
-        slots on every rank, whatever it holds locally), made when the plans change; the split
-        launches keep their sums in them."""
+        slots on every rank, whatever it holds locally), made when the plans (each with the params
+        it serves) change; the split launches keep their sums in them."""
         served = self._sums[0]
-        if len(served) != len(plans) or any(a is not b for a, b in zip(served, plans, strict=False)):
+        if len(served) != len(plans) or any(a is not b for a, (b, _) in zip(served, plans, strict=False)):
             sharded = [p for group in self.param_groups for p in group["params"]
                        if isinstance(p, DTensor) and p.requires_grad]  # fmt: skip
             sums = tuple(ShardSums(slots) for slots in shard_slots(sharded)) if sharded else None
-            for plan in plans:
+            written = set()  # every step stores these params' slots whole: the split launches' and the PyTorch path's
+            for plan, params in plans:
+                written.update(id(params[i]) for i in plan.reference if isinstance(params[i], DTensor))
                 for launch in plan.launches:
                     if launch.split and sums is not None:
                         launch.use_shard_sums(sums[0].views, sums[1].views)
-            self._sums = (plans, sums)
+                        written.update(id(p) for p in launch.sources)
+            for s in sums or ():
+                s.written(written)
+            self._sums = ([plan for plan, _ in plans], sums)
         return self._sums[1]
 
     def _group_plan(self, index: int, group: dict) -> tuple[AdafactorGroupPlan, list[Tensor]]:

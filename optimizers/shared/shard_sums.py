@@ -4,9 +4,11 @@ An optimizer whose step needs a sum that spans the ranks (a column statistic ove
 over all elements) gives each such parameter a slot of fixed size in a buffer of its shard group
 (``row_shard_group``) and device. A step zeroes the buffers, each rank writes its own part's sums
 into its slots (a kernel, or PyTorch ops), ``all_reduce`` adds them (SUM: Gloo has no AVG), and the
-slots are read back. The slots are the same on every rank, whatever each one holds locally (a rank
-with no rows of a parameter leaves zeros): the collectives match whichever path a rank's part
-takes, and there is one per shard group and device a step, not one per parameter.
+slots are read back. Where the step stores every element of some slots (``written``), only the
+others are zeroed (the padding is zero from allocation on: the ranks add zeros there). The slots
+are the same on every rank, whatever each one holds locally (a rank with no rows of a parameter
+leaves zeros): the collectives match whichever path a rank's part takes, and there is one per
+shard group and device a step, not one per parameter.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ShardSums:
         self.buffers: list[tuple[object, Tensor]] = []
         self.views: dict[int, Tensor] = {}
         self._spans: list[list[tuple[int, int, int]]] = []  # per buffer: (id of p, start, size) of each slot
+        self._unwritten: list[Tensor] | None = None  # what zero_ clears: None for every buffer whole
         for (_, device), (group, members) in groups.items():
             offsets = [0]
             for _, size in members:
@@ -47,9 +50,19 @@ class ShardSums:
     def __getitem__(self, p: Tensor) -> Tensor:
         return self.views[id(p)]
 
-    def zero_(self) -> None:
-        for _, buffer in self.buffers:
-            buffer.zero_()
+    def written(self, ids: set[int]) -> None:
+        """The slots (by ``id`` of their param) that each step stores whole before ``all_reduce``:
+        ``zero_`` leaves them (the kernel that zeroes is a launch and a gap a step) and clears the rest."""
+        self._unwritten = [self.views[i] for spans in self._spans for i, _, _ in spans if i not in ids]
+
+    def zero_(self, whole: bool = False) -> None:
+        """Zero the slots no step writes (``written``), or every buffer whole where ``whole`` or none
+        was declared."""
+        if whole or self._unwritten is None:
+            for _, buffer in self.buffers:
+                buffer.zero_()
+        elif self._unwritten:
+            torch._foreach_zero_(self._unwritten)
 
     def all_reduce(self, async_op: bool = False) -> list:
         """Every slot summed over its shard group: one all-reduce per group and device. With
