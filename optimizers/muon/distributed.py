@@ -51,8 +51,9 @@ class ShardedMuonBatch:
     owner's matrices, (owned, m, n) bf16, m <= n, tall ones transposed) and ``norm`` (owned,) fp32,
     which a CUDA graph of the device's NS iterations reads in place (``plan.JointNS``).
 
-    Layout: this rank's rows of each matrix are one piece, (here, C), or (C, here) for a matrix
-    tall as a whole (the owner's x is its transpose: a piece fills a block of x's columns). The
+    Layout: this rank's rows of each matrix are one piece, (here, C). A matrix tall as a whole
+    is x's transposed view: its rows fill row blocks of a contiguous (owned, R, C) buffer, which
+    NS reads in place, as every piece is copied in and out by one foreach launch each way. The
     send buffer holds the pieces owner by owner (owner r's matrices j = r, r + W, ...), so that
     each owner's part is contiguous and the all-to-all moves no padding; the owner receives
     (owned, rows of rank s, C) from each rank s, and sends it back the same way. ``mode``: the
@@ -77,8 +78,7 @@ class ShardedMuonBatch:
         heres = [max(0, min(P, self.rows - s * P)) for s in range(W)]
         here, owned = heres[self.rank], len(self.owned)
         self.order = [j for r in range(W) for j in range(r, len(params), W)]  # pieces, owner by owner
-        piece = (C, here) if self.tall else (here, C)
-        self._send, self._back = (torch.zeros((len(params), *piece), **bf16) for _ in range(2))
+        self._send, self._back = (torch.zeros((len(params), here, C), **bf16) for _ in range(2))
         self._to_owner = [len(range(r, len(params), W)) * here * C for r in range(W)]  # elements to rank r
         self._from_rank = [owned * heres[s] * C for s in range(W)]  # elements from rank s
         self._got, self._reply = (torch.zeros(sum(self._from_rank), **bf16) for _ in range(2))  # flat: split by element
@@ -87,15 +87,15 @@ class ShardedMuonBatch:
         starts = [sum(self._from_rank[:s]) for s in range(W)]
 
         def parts(flat: Tensor) -> dict[int, Tensor]:  # rank s's part of a received or sent buffer
-            shape = lambda s: (owned, C, heres[s]) if self.tall else (owned, heres[s], C)  # noqa: E731
-            return {s: flat[starts[s] : starts[s] + self._from_rank[s]].view(shape(s)) for s, _, _ in self._spans}
+            return {s: flat[starts[s] : starts[s] + self._from_rank[s]].view(owned, heres[s], C)
+                    for s, _, _ in self._spans}  # fmt: skip
 
         self._got_parts, self._reply_parts = parts(self._got), parts(self._reply)
-        m, n = sorted((self.rows, C))
-        self.x = torch.empty((owned, m, n), **bf16)
-        # not tall: each piece is a contiguous block of x's rows, all copied in one foreach launch
-        # (a copy of a strided view runs at a fraction of the copy rate); tall: column blocks
-        pairs = [(self.x[k, a:b], self._got_parts[s][k]) for s, a, b in self._spans for k in range(owned)]
+        rows = torch.empty((owned, self.rows, C), **bf16)  # the owned matrices' rows
+        self.x = rows.mT if self.tall else rows  # (owned, m, n), m <= n
+        # each piece is a contiguous block of rows, all copied in one foreach launch (a copy of a
+        # strided view, a tall matrix's transposed piece, ran at a fraction of the copy rate)
+        pairs = [(rows[k, a:b], self._got_parts[s][k]) for s, a, b in self._spans for k in range(owned)]
         self._unpack = ([d for d, _ in pairs], [g for _, g in pairs])
         self._pieces = [self._reply_parts[s][k] for s, _, _ in self._spans for k in range(owned)]
         self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O, its pieces' views)
@@ -106,7 +106,7 @@ class ShardedMuonBatch:
         self.kernels = None
         if here and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
             self.kernels = LocalRowsKernels([params[j] for j in self.order], [self.local_params[j] for j in self.order],
-                                            [self.local_bufs[j] for j in self.order], self.tall, self._send,
+                                            [self.local_bufs[j] for j in self.order], self._send,
                                             self._back)  # fmt: skip
 
     def send(self, h: MuonHyper) -> None:
@@ -119,7 +119,7 @@ class ShardedMuonBatch:
             torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
             updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
             rows = [updates[j].reshape(-1, self.cols) for j in self.order]
-            torch._foreach_copy_(list(self._send.unbind(0)), [u.mT if self.tall else u for u in rows])
+            torch._foreach_copy_(list(self._send.unbind(0)), rows)
         self._work = dist.all_to_all_single(self._got, self._send.view(-1), output_split_sizes=self._from_rank,
                                             input_split_sizes=self._to_owner, group=self.group,
                                             async_op=True)  # fmt: skip
@@ -133,24 +133,21 @@ class ShardedMuonBatch:
             self.before_ns(h.eps_bf16)
 
     def before_ns(self, eps_bf16: float) -> None:
-        """The owner's matrices into ``x`` (rank s's pieces are rows, tall: columns, [a, b) of each)
-        and their norms (as torch's bf16 vector_norm, at least eps): static buffers in, static out."""
-        if self.owned and self.tall:
-            for s, a, b in self._spans:
-                self.x[:, :, a:b].copy_(self._got_parts[s])
-        elif self.owned:
+        """The owner's matrices into ``x`` (rank s's pieces are rows [a, b) of each; a tall
+        matrix's rows are x's columns) and their norms (as torch's bf16 vector_norm, at least
+        eps): static buffers in, static out."""
+        if self.owned:
             torch._foreach_copy_(*self._unpack)
         self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=eps_bf16))
 
     def after_ns(self, ortho: Tensor) -> None:
-        """Each rank's rows of O (the owner's ``ortho``, (owned, m, n)) into the reply buffer."""
-        if self.owned and self.tall:
-            for s, a, b in self._spans:
-                self._reply_parts[s].copy_(ortho[:, :, a:b])
-        elif self.owned:
+        """Each rank's rows of O (the owner's ``ortho``, (owned, m, n); a tall matrix's rows are
+        its columns) into the reply buffer: one foreach copy, of contiguous blocks where NS wrote
+        O in x's layout (``newton_schulz_launch.update_output``)."""
+        if self.owned:
             if self._pack_from[0] != ortho.data_ptr():  # a CUDA graph's output stays put: views kept
-                owned = range(len(self.owned))
-                self._pack_from = (ortho.data_ptr(), [ortho[k, a:b] for _, a, b in self._spans for k in owned])
+                rows, owned = (ortho.mT if self.tall else ortho), range(len(self.owned))
+                self._pack_from = (ortho.data_ptr(), [rows[k, a:b] for _, a, b in self._spans for k in owned])
             torch._foreach_copy_(self._pieces, self._pack_from[1])
 
     def orthogonalize(self, h: MuonHyper) -> Tensor:
@@ -176,7 +173,7 @@ class ShardedMuonBatch:
         else:
             torch._foreach_mul_(self.local_params, decay)
             if self._back.numel():  # p.add_ computes in p's dtype, as single-process Muon after .to(p.dtype)
-                mine = [(o.mT if self.tall else o).reshape(self.local_params[j].shape)
+                mine = [o.reshape(self.local_params[j].shape)
                         for j, o in zip(self.order, self._back.unbind(0), strict=True)]  # fmt: skip
                 torch._foreach_add_([self.local_params[j] for j in self.order], mine, alpha=-step_lr)
         self._amax_lr = step_lr

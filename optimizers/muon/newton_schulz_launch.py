@@ -125,7 +125,7 @@ def joint_newton_schulz(xs: list[Tensor], schedule: list[tuple[float, float, flo
     most work; each product's ``impl`` picks its kernels: "classic", "hopper" where ``hopper_fits``
     (else the classic ones with the same tiles) or "torch" (torch's batched matmuls). Returns one
     new (B, m, n) tensor of x's dtype per batch: contiguous, or where the update runs the hopper
-    kernel on a transposed x, the transposed view of a contiguous (B, n, m) one."""
+    kernel or torch's matmul on a transposed x, the transposed view of a contiguous (B, n, m) one."""
     for x in xs:
         if x.dtype not in TRITON_DTYPES or x.dim() != 3 or x.shape[1] > x.shape[2]:
             raise ValueError(f"the Newton-Schulz kernels take (B, m, n), m <= n, bf16 or fp32; got "
@@ -299,8 +299,9 @@ def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, gamma, ha
 
 def update_output(x: Tensor, config: Mapping) -> Tensor:
     """An empty result of ``update_product`` for x (B, m, n): contiguous, or for the hopper kernel
-    on a transposed x, the transposed view of a contiguous (B, n, m) tensor."""
-    if _impl(config, x, "update") == "hopper" and _transposed(x):
+    or torch's matmul on a transposed x, the transposed view of a contiguous (B, n, m) tensor (O
+    in x's layout: a tall matrix's rows stay contiguous)."""
+    if _impl(config, x, "update") in ("hopper", "torch") and _transposed(x):
         return torch.empty(x.mT.shape, dtype=x.dtype, device=x.device).mT
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -317,6 +318,8 @@ def update_product(polys: list[Tensor], xs: list[Tensor], outs: list[Tensor], co
             hopper.append((poly, x, out, norm))
         elif impl == "torch" and norm is not None:
             raise ValueError("update_product: torch's matmuls take a normalized x (no norm)")
+        elif impl == "torch" and _transposed(x) and out.mT.is_contiguous():
+            torch.bmm(x.mT, poly.mT, out=out.mT)  # (Bm X)ᵀ = Xᵀ Bmᵀ, written in x's storage layout
         elif impl == "torch":
             torch.bmm(poly, x, out=out)
         else:

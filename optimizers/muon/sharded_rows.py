@@ -3,9 +3,8 @@ of FSDP2-sharded matrices (``distributed.ShardedMuonBatch``).
 
 Each rank holds ``here`` rows of every matrix of the batch, each an (here, C) row-major block of
 its local shard. The momentum kernel reads g and the buffer once, writes the buffer and NS's bf16
-input straight into the rank's piece of the all-to-all's send buffer (B, a, b): (here, C) as it
-is, or (C, here) transposed for a matrix that is tall as a whole (the owner's NS input is its
-transpose, which the pieces then fill column blocks of), tile by tile, as one process writes X.
+input straight into the rank's piece of the all-to-all's send buffer (B, here, C), rows as they
+are (a matrix tall as a whole too: the owner's NS input is the transposed view of its rows).
 The update kernel reads the piece of O that comes back in the same layout and writes p once:
 p = p (1 - lr wd) - adjusted lr * O. One launch each per batch on CUDA (pointer tables), one per
 matrix under the interpreter or where a tensor is not 16-byte aligned. Same arithmetic as one
@@ -28,13 +27,12 @@ from ..shared.grad_table import GradTable
 class LocalRowsKernels:
     """The kernels over ``params`` (DTensor matrices of one shape and dtype, fp32, bf16 or fp16;
     ``locals_`` their (here, C) local rows, ``bufs`` their momentum buffers' local rows, of the
-    params' dtype), all in the order of the pieces of ``out`` and ``back``, (B, a, b) bf16 each:
-    (a, b) = (C, here) when ``transposed``, else (here, C)."""
+    params' dtype), all in the order of the pieces of ``out`` and ``back``, (B, here, C) bf16 each."""
 
-    def __init__(self, params: list[Tensor], locals_: list[Tensor], bufs: list[Tensor], transposed: bool,
-                 out: Tensor, back: Tensor) -> None:  # fmt: skip
+    def __init__(self, params: list[Tensor], locals_: list[Tensor], bufs: list[Tensor], out: Tensor,
+                 back: Tensor) -> None:  # fmt: skip
         self.params, self.locals, self.bufs = params, locals_, bufs
-        self.out, self.back, self.transposed = out, back, transposed
+        self.out, self.back = out, back
         self.device, dtype = locals_[0].device, locals_[0].dtype
         self.m, self.n = out.shape[1:]
         self.multi_tensor = self.device.type == "cuda" and aligned([*locals_, *bufs])
@@ -50,7 +48,7 @@ class LocalRowsKernels:
         self._partial = torch.empty((len(locals_), self.tiles), dtype=torch.float32, device=self.device)
         if self.multi_tensor:
             self._p_table, self._buf_table = pointer_table(locals_, self.device), pointer_table(bufs, self.device)
-            self._flags = torch.full((len(locals_),), int(transposed), dtype=torch.int32, device=self.device)
+            self._flags = torch.zeros(len(locals_), dtype=torch.int32, device=self.device)  # none transposed
             self._grads = GradTable(self.device, len(locals_))
         self._kernels: dict[bool, object] = {}
 
@@ -62,7 +60,7 @@ class LocalRowsKernels:
 
     def momentum(self, mu: float, nesterov: bool) -> None:
         """buf = lerp(buf, g, 1 - mu) in place; ``out``'s pieces = bf16 of the buffer (Nesterov:
-        of lerp(g, buf, mu)), transposed where ``transposed``."""
+        of lerp(g, buf, mu))."""
         k, m, n = self._module(nesterov), self.m, self.n
         if self.multi_tensor:
             grads = self._grads.update(self.params, lambda: checked_grads(self.params))
@@ -71,17 +69,17 @@ class LocalRowsKernels:
                                                              **self.options)  # fmt: skip
             return
         for i, (g, buf) in enumerate(zip(checked_grads(self.params), self.bufs, strict=True)):
-            k.momentum_kernel[(self.tiles,)](g.contiguous(), buf, int(self.transposed), self.out[i], self._partial[i],
+            k.momentum_kernel[(self.tiles,)](g.contiguous(), buf, 0, self.out[i], self._partial[i],
                                              m, n, mu, 1 - mu, **self.options)  # fmt: skip
 
     def apply(self, decay: float, lr: float) -> None:
-        """p = p * decay - lr * (the piece of ``back``, transposed back where ``transposed``), in
-        the parameter dtype as torch's foreach ops round."""
+        """p = p * decay - lr * (the piece of ``back``), in the parameter dtype as torch's foreach
+        ops round."""
         k, m, n = self._module(False), self.m, self.n
         if self.multi_tensor:
             k.apply_kernel[(self.tiles, len(self.locals))](self._p_table, self._flags, self.back, m, n, decay, lr,
                                                           lr, **self.options)  # fmt: skip
             return
         for i, p in enumerate(self.locals):
-            k.apply_kernel[(self.tiles,)](p, int(self.transposed), self.back[i], m, n, decay, lr, lr,
+            k.apply_kernel[(self.tiles,)](p, 0, self.back[i], m, n, decay, lr, lr,
                                           **self.options)  # fmt: skip
