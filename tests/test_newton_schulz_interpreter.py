@@ -108,6 +108,7 @@ def test_a_tuned_torch_update_of_unnormalized_batches_starts_on_the_scaling_kern
     for x, norm, out in zip(xs, norms, outs, strict=True):
         assert compare_tensors("ns", "X", out, iterate(x / norm[:, None, None], schedule, TORCH), FP32_TOL).passed
     assert torch.equal(outs[1][0], torch.zeros_like(outs[1][0]))
+    assert outs[2].mT.is_contiguous()  # the tall batch's O in its layout: its rows contiguous (Muon's owners copy them)
 
 
 def test_normalized_has_the_bits_of_the_fp32_quotient_rounded_to_bf16():

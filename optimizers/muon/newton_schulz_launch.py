@@ -139,7 +139,7 @@ def joint_newton_schulz(xs: list[Tensor], schedule: list[tuple[float, float, flo
     grams = [torch.empty(x.shape[0], x.shape[1], x.shape[1], dtype=x.dtype, device=x.device) for x in xs]
     polys = [torch.empty_like(g) for g in grams]
     outs: list[list[Tensor]] = []  # two buffers in turn, laid out as the update writes them
-    own_first = first_update is not configs["update"]  # the first update's output has its own layout
+    own_first = first_update is not configs["update"]  # its output may be laid out otherwise: its own buffers
     for step, (a, b, c) in enumerate(schedule):
         scale = norms if step == 0 else None
         symmetric_product(xs, grams, None, 1.0, 0.0, configs["gram"], scale)
