@@ -76,6 +76,8 @@ def test_torchs_argument_errors_and_ours():
                           (dict(weight_decay=-1.0), "weight_decay"), (dict(state_bits=16), "state_bits")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             Adafactor(w, **kwargs)
+    with pytest.raises(TypeError, match="eps must be a pair"):  # torch's: "'float' object is not subscriptable"
+        Adafactor(w, eps=1e-3)
 
 
 def test_decoded_state_is_torchs_keys_within_one_code_step():

@@ -97,6 +97,8 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
         if not 0.0 >= beta2_decay:
             raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise TypeError(f"eps must be a pair (eps1 or None, eps2), as torch.optim.Adafactor's, got {eps!r}")
         if eps[0] is not None and not 0.0 <= eps[0]:
             raise ValueError(f"epsilon1 should be >= 0 but is: {eps[0]}")
         if not 0.0 <= eps[1]:
