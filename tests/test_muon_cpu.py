@@ -64,6 +64,26 @@ def test_coefficient_schedules_and_bad_input():
         fast_newton_schulz(torch.ones(4, 4, dtype=torch.int32))
 
 
+def test_a_steps_hyperparameters_are_the_groups_and_bad_values_fail_every_step():
+    # MuonHyper memoizes the schedule and eps in bf16 by value: a value equal to a cached one under
+    # == (True == 1, 1 == 1.0) is still checked as itself.
+    from kernel_factory.optimizers.muon.plan import MuonHyper
+
+    group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn=None, eps=1e-7,
+                 ns_coefficients=[[1, 2.0, 3.0], (4.0, 5.0, 6.0)], ns_steps=3)  # fmt: skip
+    for _ in range(2):
+        h = MuonHyper(group)
+        assert h.schedule == coefficient_schedule(group["ns_coefficients"], 3)
+        assert h.eps_bf16 == float(torch.tensor(1e-7, dtype=torch.bfloat16))
+    h.schedule.append(None)  # the caller's copy
+    assert MuonHyper(group).schedule == coefficient_schedule(group["ns_coefficients"], 3)
+    for key, good, bad, match in [("ns_steps", 1, True, "steps"),
+                                  ("ns_coefficients", [[1, 2.0, 3.0]], [[True, 2.0, 3.0]], "3 floats")]:  # fmt: skip
+        MuonHyper({**group, key: good})  # memoized
+        with pytest.raises(ValueError, match=match):
+            MuonHyper({**group, key: bad})
+
+
 def _matrices(seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [(32, 32), (32, 32), (32, 32), (64, 32), (64, 32), (32, 96), (96, 32)]  # batched, tall, wide

@@ -27,7 +27,6 @@ keeps its own part of O; the same arithmetic again, so the same bits as one proc
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 
@@ -41,7 +40,7 @@ from ..shared.buckets import kernel_path
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local, local_part, row_shard_group
 from .newton_schulz import iterate, ns_on_triton
-from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer
+from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer, on_device
 from .sharded_rows import LocalRowsKernels
 
 
@@ -308,7 +307,7 @@ class ShardedMuonGroupPlan:
         first stage's."""
         h = self._hyper = MuonHyper(group)
         for batch in self.batches:  # every all-to-all to the owners starts now, in the same order on every rank
-            with _on(batch.device):
+            with on_device(batch.device):
                 batch.send(h)
 
     def start(self) -> None:
@@ -320,15 +319,15 @@ class ShardedMuonGroupPlan:
         self._pending = []
         for stage, runs in self.staged:
             for batch in stage:
-                with _on(batch.device):
+                with on_device(batch.device):
                     batch.receive(h)
             orthos = {}
             for ns in runs:
-                with torch.cuda.device(ns.batches[0].device):
+                with on_device(ns.batches[0].device):
                     orthos.update(zip(map(id, ns.batches), ns(h.schedule, h.eps_bf16)[0], strict=True))
             for batch in stage:  # the replies move while the next stage's NS runs
                 ortho = orthos.get(id(batch))
-                with _on(batch.device):
+                with on_device(batch.device):
                     batch.reply(h, batch.orthogonalize(h) if ortho is None else ortho)
             self._apply(self._pending)
             self._pending = stage
@@ -340,7 +339,7 @@ class ShardedMuonGroupPlan:
 
     def _apply(self, batches: list) -> None:
         for batch in batches:
-            with _on(batch.device):
+            with on_device(batch.device):
                 batch.apply(self._hyper)
 
     def update_amax(self) -> Tensor:
@@ -389,12 +388,6 @@ def split_in_stages(batches: list, stages: int) -> list[list]:
         cuts.append(min(range(cuts[-1] + 1, last + 1), key=lambda i: abs(prefix[i] - target)))
     cuts.append(len(batches))
     return [batches[i:j] for i, j in itertools.pairwise(cuts) if j > i]
-
-
-def _on(device: torch.device):
-    """The context that makes ``device`` current for Triton's launches (which go to the current
-    CUDA device), or none for a CPU device."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def sharded_muon_group_plan(plans: dict, index: int, params: list[DTensor], state: dict) -> ShardedMuonGroupPlan:

@@ -13,6 +13,8 @@ share each launch, so neither leaves SMs idle in its last wave of tiles.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Callable
 
@@ -55,9 +57,44 @@ class MuonHyper:
         self.nesterov = bool(group["nesterov"])
         self.adjust_lr_fn = group["adjust_lr_fn"]
         self.eps = float(group["eps"])
-        # the reference clamps a bf16 norm at eps rounded to bf16
-        self.eps_bf16 = float(torch.tensor(self.eps, dtype=torch.bfloat16))
-        self.schedule = coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
+        self.eps_bf16 = _bf16_value(self.eps)  # the reference clamps a bf16 norm at eps rounded to bf16
+        self.schedule = _schedule(group["ns_coefficients"], group["ns_steps"])
+
+
+def on_device(device: torch.device):
+    """The context that makes ``device`` current for Triton's launches (which go to the current
+    CUDA device), or none for a CPU device or the current one (a device switch and back costs the
+    host a few microseconds, taken about 20 times a sharded step)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+# Formed every step from the group's values, which rarely change: memoized (a CPU tensor a step
+# and the schedule's checks cost the host more than the rest of the group's hyperparameters).
+@functools.lru_cache(maxsize=64)
+def _bf16_value(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.bfloat16))
+
+
+_schedules: dict[str, list[tuple[float, float, float]]] = {}
+
+
+def _schedule(coefficients, steps) -> list[tuple[float, float, float]]:
+    """``coefficient_schedule``, memoized where its arguments are plain Python values (keyed by
+    their repr, which tells 1, 1.0 and True apart, so a bad value is refused every time)."""
+
+    def plain(x) -> bool:
+        return x is None or type(x) in (int, float, str) or (type(x) in (list, tuple) and all(map(plain, x)))
+
+    if not (plain(coefficients) and plain(steps)):
+        return coefficient_schedule(coefficients, steps)
+    key = repr((coefficients, steps))
+    if key not in _schedules:
+        if len(_schedules) >= 64:
+            _schedules.clear()
+        _schedules[key] = coefficient_schedule(coefficients, steps)
+    return list(_schedules[key])
 
 
 class MuonBatch:
@@ -332,7 +369,7 @@ class MuonGroupPlan:
             if not (isinstance(batch, TritonBatch) and batch.device.type == "cuda"):
                 batch.run(h)
         for ns in self.joint:
-            with torch.cuda.device(ns.batches[0].device):  # Triton launches on the current device
+            with on_device(ns.batches[0].device):
                 for batch in ns.batches:
                     batch.prepare(h)
                 orthos, static = ns(h.schedule)
