@@ -83,3 +83,26 @@ def test_a_copied_optimizer_keeps_its_settings_and_steps_as_the_original(name, h
     assert getattr(twin_opt, "seed", None) == getattr(opt, "seed", None)
     assert steps_stay_equal(model, opt, twin, twin_opt)
     assert twin_opt.telemetry.summary().keys() == opt.telemetry.summary().keys()
+
+
+class _Compiled:
+    """An optimizer whose ``step`` is called through ``torch.compile``, as users compile a training
+    step around it."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+        self._step = torch.compile(lambda: opt.step())
+
+    def step(self) -> None:
+        self._step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_step_called_under_torch_compile_is_the_eager_step(name):
+    # Dynamo leaves the steps untraced (shared/eager.py): traced, Adafactor's CPU path raised a
+    # KeyError and AdamMini, Muon and TurboAdam stepped to other values
+    torch._dynamo.reset()
+    model = gqa_model()
+    opt = no_decay_optimizer(name, model)
+    twin = copy.deepcopy(model)
+    assert steps_stay_equal(model, opt, twin, _Compiled(no_decay_optimizer(name, twin)))

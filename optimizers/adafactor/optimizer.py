@@ -28,6 +28,7 @@ from kernel_factory.generator import backend_mode
 from ..shared import log_codes, precompile
 from ..shared.checks import check_param_grad, start_step
 from ..shared.dtensor import DTensor, local
+from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.state_dict import own_loaded_state
@@ -204,6 +205,7 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
         codes = log_codes.encode_log(value.reshape(rows, cols).float(), base, CODE_BITS, CODE_STEP, BLOCK, u)
         state[f"{name}_codes"].copy_(log_codes.pack(codes, CODE_BITS))
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Adafactor update of every parameter with a grad. Returns ``closure()``'s loss."""

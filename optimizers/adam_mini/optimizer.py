@@ -28,6 +28,7 @@ from ..shared.checks import (
     start_step,
 )
 from ..shared.dtensor import DTensor, local, row_shard_group
+from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.side_stream import SideStream
@@ -282,6 +283,7 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
                 self.telemetry.watch("overflow_total", lambda c=plan.tel_count: c[3], owner=plan)
         return plans, reference
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Adam-mini update of every parameter that has a grad. Returns ``closure()``'s loss."""

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..shared.checks import check_params_once, evaluate_closure
 from ..shared.clip_grad import clip_grad_norm_
+from ..shared.eager import eager_step
 from ..shared.row_shards import RowShard
 from ..shared.zero_buckets import ZeroGrads, refuse_ddp
 from .optimizer import AdamW
@@ -210,6 +211,7 @@ class DistributedAdamW(AdamW):
         shard_params = [self._shards[id(p)][1] for b in buckets for p in b.params if id(p) in b.got]
         return clip_grad_norm_(shard_params, max_norm, norm_type, error_if_nonfinite)
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """Reduce-scatter what backward left, step the local shards, all-gather the parameters."""

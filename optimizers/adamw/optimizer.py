@@ -24,6 +24,7 @@ from ..shared.checks import (
     resolve_state_dtype,
     warn_if_nothing_stepped,
 )
+from ..shared.eager import eager_step
 from ..shared.state_dict import own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from .plan import AdamGroupPlan, group_plan, init_group_state
@@ -121,6 +122,7 @@ class Adam(torch.optim.Optimizer):
                          and saved.dtype == torch.float32)  # fmt: skip
         self._plans = {}
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One fused update of every parameter that has a grad. Returns ``closure()``'s loss."""

@@ -26,6 +26,7 @@ from ..shared.checks import (
     start_step,
 )
 from ..shared.dtensor import DTensor
+from ..shared.eager import eager_step
 from ..shared.state_dict import own_loaded_state
 from ..shared.steppers import GroupPlan, group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
@@ -176,6 +177,7 @@ class Muon(torch.optim.Optimizer):
         own_loaded_state(self, state_dict, lambda p, key, saved: False)
         self._plans = {}
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Muon/AdamW update of every parameter with a grad. Returns ``closure()``'s loss."""

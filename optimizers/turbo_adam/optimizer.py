@@ -26,6 +26,7 @@ from ..shared.checks import (
     start_step,
 )
 from ..shared.dtensor import DTensor, local, local_row_indices
+from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.state_dict import own_loaded_state
@@ -209,6 +210,7 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
                     self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
         self._exact_plans, self._plans = {}, {}
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One TurboAdam update of every parameter with a grad. Returns ``closure()``'s loss."""
