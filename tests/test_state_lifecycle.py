@@ -14,7 +14,7 @@ from mini_models import OPTIMIZERS, fresh_grads, gqa_model, no_decay_optimizer, 
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from kernel_factory.optimizers import AdamW, Muon
-from kernel_factory.optimizers.shared.workloads import ShapeModel
+from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -106,3 +106,20 @@ def test_a_step_called_under_torch_compile_is_the_eager_step(name):
     opt = no_decay_optimizer(name, model)
     twin = copy.deepcopy(model)
     assert steps_stay_equal(model, opt, twin, _Compiled(no_decay_optimizer(name, twin)))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_state_dict_of_other_shapes_is_refused_and_the_optimizer_keeps_its_own(name):
+    # the same parameter count and order (ffn 64 for 48): torch's loader takes it; the kernels would
+    # index the loaded moments by the parameters' shapes, past their ends
+    other = ShapeModel(llama_param_shapes(dim=32, layers=2, ffn=64, vocab=40, n_heads=4, n_kv_heads=2)
+                       + [("layers.1.mlp.down_proj.bias", (32,))])  # fmt: skip
+    other_opt = no_decay_optimizer(name, other)
+    fresh_grads(other)
+    other_opt.step()
+    model = gqa_model()
+    opt = no_decay_optimizer(name, model)
+    twin = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="state dict of another model"):
+        opt.load_state_dict(other_opt.state_dict())
+    assert steps_stay_equal(model, opt, twin, no_decay_optimizer(name, twin))

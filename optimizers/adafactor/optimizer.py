@@ -31,7 +31,7 @@ from ..shared.dtensor import DTensor, local
 from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
-from ..shared.state_dict import own_loaded_state
+from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from . import momentum
 from .distributed import ShardedSteps, shard_slots, shardable, sharded_statistics
@@ -140,11 +140,12 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then every state tensor back in its saved dtype (torch casts the uint8
         codes and int16 bases to the parameter's dtype)."""
-        super().load_state_dict(state_dict)
-        own_loaded_state(self, state_dict, lambda p, key, saved: True)
-        for group in self.param_groups:  # torch's Adafactor's groups lack our options
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+        with checked_load(self):
+            super().load_state_dict(state_dict)
+            own_loaded_state(self, state_dict, lambda p, key, saved: True)
+            for group in self.param_groups:  # torch's Adafactor's groups lack our options
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
         self._plans = {}  # they hold the replaced state tensors
 
     @staticmethod

@@ -32,7 +32,7 @@ from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.side_stream import SideStream
-from ..shared.state_dict import own_loaded_state
+from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .distributed import (
     ShardedParam,
@@ -242,11 +242,12 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then every state tensor back in its saved dtype (torch casts floating
         state to the parameter dtype, which would turn FP8 momentum and fp32 scales into bf16)."""
-        super().load_state_dict(state_dict)
-        own_loaded_state(self, state_dict, lambda p, key, saved: True)
-        for p, state in self.state.items():  # a sharded param's step stays on the host (_init_state)
-            if isinstance(p, DTensor) and "step" in state:
-                state["step"] = state["step"].cpu()
+        with checked_load(self):
+            super().load_state_dict(state_dict)
+            own_loaded_state(self, state_dict, lambda p, key, saved: True)
+            for p, state in self.state.items():  # a sharded param's step stays on the host (_init_state)
+                if isinstance(p, DTensor) and "step" in state:
+                    state["step"] = state["step"].cpu()
         self._plans = {}  # the plans' pointer tables point at the replaced tensors (and their step views)
 
     def _path(self, p: Tensor) -> str:

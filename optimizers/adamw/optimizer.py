@@ -25,7 +25,7 @@ from ..shared.checks import (
     warn_if_nothing_stepped,
 )
 from ..shared.eager import eager_step
-from ..shared.state_dict import own_loaded_state
+from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from .plan import AdamGroupPlan, group_plan, init_group_state
 
@@ -116,10 +116,11 @@ class Adam(torch.optim.Optimizer):
         """torch's loader (which also takes DCP's name-keyed state dicts); the state becomes this
         optimizer's own copy, with fp32 moments kept where ``state_dtype='fp32'`` (torch casts
         state to the parameter dtype); launch plans are rebuilt on the next step."""
-        super().load_state_dict(state_dict)
-        fp32_state = {id(p) for g in self.param_groups if g.get("state_dtype") == "fp32" for p in g["params"]}
-        own_loaded_state(self, state_dict, lambda p, key, saved: id(p) in fp32_state and key in _STATE_KEYS
-                         and saved.dtype == torch.float32)  # fmt: skip
+        with checked_load(self):
+            super().load_state_dict(state_dict)
+            fp32_state = {id(p) for g in self.param_groups if g.get("state_dtype") == "fp32" for p in g["params"]}
+            own_loaded_state(self, state_dict, lambda p, key, saved: id(p) in fp32_state and key in _STATE_KEYS
+                             and saved.dtype == torch.float32)  # fmt: skip
         self._plans = {}
 
     @eager_step

@@ -27,7 +27,7 @@ from ..shared.checks import (
 )
 from ..shared.dtensor import DTensor
 from ..shared.eager import eager_step
-from ..shared.state_dict import own_loaded_state
+from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.steppers import GroupPlan, group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
 from .distributed import sharded_muon_group_plan
@@ -173,8 +173,9 @@ class Muon(torch.optim.Optimizer):
         """torch's loader (which also takes DCP's name-keyed state dicts, and casts the momentum to
         the parameter's dtype); the state becomes this optimizer's own copy; launch plans are
         rebuilt on the next step."""
-        super().load_state_dict(state_dict)
-        own_loaded_state(self, state_dict, lambda p, key, saved: False)
+        with checked_load(self):
+            super().load_state_dict(state_dict)
+            own_loaded_state(self, state_dict, lambda p, key, saved: False)
         self._plans = {}
 
     @eager_step

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from torch import Tensor
 
@@ -31,3 +32,33 @@ def own_loaded_state(optimizer, state_dict: dict, keep_saved_dtype: Callable[[Te
             if isinstance(value, Tensor):
                 source = value if keep_saved_dtype(p, name, value) else state[name]
                 state[name] = source.to(p.device, copy=True)
+
+
+
+def _state_shapes(optimizer) -> dict[int, dict[str, tuple[int, ...]]]:
+    """The shape of each state tensor (a DTensor's global shape), by ``id`` of its parameter."""
+    return {id(p): {key: tuple(value.shape) for key, value in state.items() if isinstance(value, Tensor)}
+            for p, state in optimizer.state.items()}  # fmt: skip
+
+
+@contextlib.contextmanager
+def checked_load(optimizer) -> Iterator[None]:
+    """Around a ``load_state_dict`` (torch's loader and the optimizer's own conversions): a loaded
+    state tensor whose shape is not the one the optimizer had made under that name for its
+    parameter (a state dict of another model or layout, which the kernels, indexing state by the
+    parameter's shape, would read and write past) raises ValueError, and the optimizer keeps the
+    state and param groups it had (torch's loader replaces both objects; the old ones are put back)."""
+    before, state, groups = _state_shapes(optimizer), optimizer.state, optimizer.param_groups
+    try:
+        yield
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                expected = before.get(id(p), {})
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, Tensor) and key in expected and tuple(value.shape) != expected[key]:
+                        raise ValueError(f"load_state_dict: state {key!r} of parameter {pi} of group {gi} (shape "
+                                         f"{tuple(p.shape)}) has shape {tuple(value.shape)}, where this optimizer "
+                                         f"keeps {expected[key]}: a state dict of another model?")  # fmt: skip
+    except BaseException:
+        optimizer.state, optimizer.param_groups = state, groups
+        raise

@@ -29,7 +29,7 @@ from ..shared.dtensor import DTensor, local, local_row_indices
 from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
-from ..shared.state_dict import own_loaded_state
+from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, STEP_SUM, TOTAL, Telemetry
 from . import codecs
@@ -190,24 +190,25 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         states to the parameter dtype: bf16 scales and fp32 moments of a bf16 param would change);
         a state kept otherwise than this optimizer keeps it (torch AdamW's moments, other
         thresholds or ``v_bits``) is converted."""
-        super().load_state_dict(state_dict)
-        own_loaded_state(self, state_dict, lambda p, key, saved: True)
-        for index, group in enumerate(self.param_groups):
-            for key, value in self.defaults.items():  # torch AdamW's groups lack the codec options
-                group.setdefault(key, value)
-            for i, p in enumerate(group["params"]):
-                state = self.state.get(p)
-                if not state:
-                    continue
-                target = self.layout(p, group)
-                cols = math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel()
-                loaded = layout_of_state(state, cols, target.block)
-                if loaded != target or (target.exact and state["exp_avg"].dtype != torch.float32):
-                    if isinstance(p, DTensor):
-                        raise RuntimeError(f"TurboAdam: parameter {i} of param group {index} is sharded and its "
-                                           f"loaded state is kept as {loaded}, not as {target}: load a sharded "
-                                           "state saved with the same options")  # fmt: skip
-                    self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
+        with checked_load(self):
+            super().load_state_dict(state_dict)
+            own_loaded_state(self, state_dict, lambda p, key, saved: True)
+            for index, group in enumerate(self.param_groups):
+                for key, value in self.defaults.items():  # torch AdamW's groups lack the codec options
+                    group.setdefault(key, value)
+                for i, p in enumerate(group["params"]):
+                    state = self.state.get(p)
+                    if not state:
+                        continue
+                    target = self.layout(p, group)
+                    cols = math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel()
+                    loaded = layout_of_state(state, cols, target.block)
+                    if loaded != target or (target.exact and state["exp_avg"].dtype != torch.float32):
+                        if isinstance(p, DTensor):
+                            raise RuntimeError(f"TurboAdam: parameter {i} of param group {index} is sharded and its "
+                                               f"loaded state is kept as {loaded}, not as {target}: load a sharded "
+                                               "state saved with the same options")  # fmt: skip
+                        self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
         self._exact_plans, self._plans = {}, {}
 
     @eager_step
