@@ -187,3 +187,19 @@ def test_fp8_underflow_falls_back_to_bf16_and_overflows_past_capacity():
     assert torch.allclose(back[0], m[0], rtol=2**-8)  # bf16 keeps the small values
     assert float((back[1, 1:128] == 0).float().mean()) > 0.9  # FP8 lost them
     assert int(state["exp_avg_pool_used"][0]) == 8 and int(state["exp_avg_pool_used"][1]) == 0
+
+
+def test_a_channels_last_weight_steps_as_its_contiguous_copy():
+    # the reference path read and wrote the parameter through .view, which a channels_last conv
+    # weight refuses; it reads a copy and writes the result back in the parameter's layout
+    gen = torch.Generator().manual_seed(0)
+    w, grads = torch.randn(8, 4, 3, 3, generator=gen), [torch.randn(8, 4, 3, 3, generator=gen) for _ in range(2)]
+    last = torch.nn.Parameter(w.clone().to(memory_format=torch.channels_last))
+    plain = torch.nn.Parameter(w.clone())
+    opts = [AdamMini([("conv.weight", p)], lr=1e-2, dim=8, n_heads=2) for p in (last, plain)]
+    for g in grads:
+        last.grad, plain.grad = g.to(memory_format=torch.channels_last), g.clone()
+        for opt in opts:
+            opt.step()
+    assert last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(last, plain) and not torch.equal(plain, w)

@@ -135,3 +135,16 @@ def test_an_optimizer_built_before_the_model_is_cast_steps_as_one_built_after(na
     model.to(torch.bfloat16)
     twin = copy.deepcopy(model)
     assert steps_stay_equal(model, opt, twin, no_decay_optimizer(name, twin), steps=2)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_empty_parameter_is_left_as_it_is_and_the_others_step(name):
+    # torch's AdamW steps an empty tensor (nothing to do); AdamMini's block partition divided by its
+    # zero rows and Adafactor by its zero size (torch's Adafactor: ZeroDivisionError)
+    shapes = llama_param_shapes(dim=32, layers=2, ffn=48, vocab=40, n_heads=4, n_kv_heads=2)
+    model = ShapeModel(shapes + [("layers.1.mlp.gate_proj.lora_A", (0, 32)), ("layers.1.empty_scale", (0,))])
+    opt = no_decay_optimizer(name, model)
+    before = [p.detach().clone() for p in model.params]
+    fresh_grads(model)
+    opt.step()
+    assert all(p.numel() == 0 or not torch.equal(p, b) for p, b in zip(model.params, before, strict=True))

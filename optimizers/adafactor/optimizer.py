@@ -363,6 +363,8 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
             grad = grad.float()
         eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
         state["step"] += 1
+        if p.numel() == 0:  # nothing to update (torch's RMS(p) divides by its size: ZeroDivisionError)
+            return torch.zeros((), dtype=torch.float32, device=p.device)
         t = state["step"].item()
         one_minus_beta2 = t ** group["beta2_decay"]
         rho = min(lr, 1 / (t**0.5))

@@ -174,7 +174,7 @@ def partition_param(name: str, p: Tensor, shape: ModelShape, rules: NameRules,
     rows = dims[0] if len(dims) >= 2 else 1  # a vector is one row
     decay = not _has(lower, rules.no_decay)
     make = lambda kind, segs, matched=True: ParamPartition(name, dims, kind, tuple(segs), decay, matched)  # noqa: E731
-    if _has(lower, rules.adam):
+    if _has(lower, rules.adam) or p.numel() == 0:  # an empty tensor: no blocks to average over
         return make("adam", [])
     if p.dim() < 2:  # norms, scales: one block (a per-row or per-head split needs a matrix)
         return make("whole", [Segment(0, rows, rows)], matched=_has(lower, rules.norm) or _has(lower, rules.no_decay))

@@ -48,8 +48,8 @@ def adam_mini_reference_step(
     lr * m_hat / (sqrt(v_hat) + eps) of any element (the decoupled weight decay left out)."""
     rows, cols = part.rows, part.cols
     step = int(state["step"].item()) + 1
-    g = grad.detach().view(rows, cols).float()
-    x = p.detach().view(rows, cols).float()
+    g = grad.detach().reshape(rows, cols).float()  # a copy where p is not contiguous (channels_last)
+    x = p.detach().reshape(rows, cols).float()
     v = state["exp_avg_sq"]
     if part.kind == "adam":
         v.view(rows, cols).mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -76,7 +76,7 @@ def adam_mini_reference_step(
         telemetry["bf16_blocks"], telemetry["overflow"] = quantize_(state, m, write_half=step % 2)
     else:
         stored.view(rows, cols).copy_(m)
-    p.detach().view(rows, cols).copy_(x)
+    p.detach().copy_(x.view(p.shape))
     telemetry["amax_update"] = amax_update
     state["step"].add_(1)
     return telemetry
