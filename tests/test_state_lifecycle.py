@@ -148,3 +148,21 @@ def test_an_empty_parameter_is_left_as_it_is_and_the_others_step(name):
     fresh_grads(model)
     opt.step()
     assert all(p.numel() == 0 or not torch.equal(p, b) for p, b in zip(model.params, before, strict=True))
+
+
+def test_importing_the_package_leaves_dynamo_and_triton_for_later():
+    # eager_step makes its disabled step at the first call: Dynamo imports Triton, which reads
+    # TRITON_INTERPRET when imported, and the parity matrix sets it after importing the package
+    # (where a GPU is seen, precompile starts Triton's hash on a thread at import: Dynamo alone then)
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys, kernel_factory.optimizers; "
+              "print(' '.join(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                         check=True)  # fmt: skip
+    imported = out.stdout.split()
+    assert "torch._dynamo" not in imported
+    assert torch.cuda.is_available() or "triton" not in imported
