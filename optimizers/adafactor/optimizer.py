@@ -31,6 +31,7 @@ from ..shared.dtensor import DTensor, local
 from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
+from ..shared.state_device import follow_param
 from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, TOTAL, Telemetry
 from . import momentum
@@ -137,21 +138,6 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
             if p.requires_grad and not p.is_meta:
                 self._init_state(p, group)
 
-    @staticmethod
-    def _follow_param(p: Tensor, state: dict) -> None:
-        """State made before the model moved or was cast (``model.to(...)`` after the optimizer,
-        which torch.optim's lazy state never sees): every state tensor (the host's step count of
-        an unsharded param aside) goes to the param's device, and the statistics kept uncoded in
-        the param's dtype (torch's ``row_var``, ``col_var``, ``variance``) to that dtype."""
-        if isinstance(p, DTensor):
-            return
-        for key, value in state.items():
-            if not isinstance(value, Tensor) or key == "step":
-                continue
-            dtype = p.dtype if key in ("row_var", "col_var", "variance") else value.dtype
-            if value.device != p.device or value.dtype != dtype:
-                state[key] = value.to(device=p.device, dtype=dtype)
-
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then every state tensor back in its saved dtype (torch casts the uint8
         codes and int16 bases to the parameter's dtype)."""
@@ -172,7 +158,8 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
     def _init_state(self, p: Tensor, group: dict) -> None:
         state = self.state[p]
         if state:
-            self._follow_param(p, state)
+            if not isinstance(p, DTensor):  # the step count stays on the host
+                follow_param(p, state, host=("step",), param_dtype=("row_var", "col_var", "variance"))
             return
         # (on the device for a sharded param: its step reads it there, distributed.py)
         state["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device if isinstance(p, DTensor) else None)

@@ -32,6 +32,7 @@ from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.side_stream import SideStream
+from ..shared.state_device import follow_param
 from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.telemetry import AMAX_UPDATE, STEP_SUM, TOTAL, Telemetry
 from .distributed import (
@@ -216,8 +217,13 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
 
     def _init_state(self, p: Tensor, part: ParamPartition) -> dict:
         state = self.state[p]
-        if "step" in state:
+        if "step" in state and (isinstance(p, DTensor) or state["step"].device == p.device):
             return state
+        if "step" in state:  # made before the model moved (state follows its param: shared/state_device.py)
+            if state["step"].item() > 0:  # stepped: moved as it is (bf16 momentum made on the CPU stays bf16)
+                follow_param(p, state)
+                return state
+            state.clear()  # never stepped: made anew, with the momentum dtype of the new device
         momentum = self._momentum_name(p)
         if momentum != self.momentum_dtype and not isinstance(p, DTensor):
             warn_once(f"AdamMini: FP8 momentum needs a CUDA GPU of sm89 or later; {p.device} tensors keep "

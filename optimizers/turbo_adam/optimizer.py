@@ -29,6 +29,7 @@ from ..shared.dtensor import DTensor, local, local_row_indices
 from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
+from ..shared.state_device import follow_param
 from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.steppers import group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, STEP_SUM, TOTAL, Telemetry
@@ -154,9 +155,11 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         return Layout(group["compress_m"] and n >= group["min_m_compress_elements"], codec, group["block_size"])
 
     def _init_state(self, p: Tensor, group: dict) -> None:
-        if self.state[p]:
-            return
         layout = self.layout(p, group)
+        if self.state[p]:
+            if not isinstance(p, DTensor):  # made before the model moved: AdamW's step count stays on the host
+                follow_param(p, self.state[p], host=("step",) if layout.exact else ())
+            return
         if layout.exact:  # AdamW's own state: exact fp32 moments, as AdamW(state_dtype="fp32") keeps them
             group_state_init("adamw")({**group, "params": [p], "state_dtype": "fp32"}, self.state)
         elif isinstance(p, DTensor):
