@@ -120,9 +120,9 @@ NEWTON_SCHULZ = KernelFamily(
     },
     tuning_axes=("dtype", "product", "side"),
     nearest_axes=("side",),
-    # FLOPs of one iteration of the batch (newton_schulz_launch.iteration_flops): 1024^2, 48 x 768^2,
-    # 36 x 768 x 2048 (side 1024); 2048^2, 2048 x 8192 (side 2048); 4096^2; 8192^2
-    # (optimizers/muon/newton_schulz_tune.py)
+    # FLOPs of one iteration of the batch (newton_schulz_launch.iteration_flops): 1024^2, 6 and 12 x
+    # 768 x 2048 (a sharded step's owner batches), 36 x 768 x 2048 (side 1024); 2048^2, 2048 x 8192
+    # (side 2048); 4096^2; 8192^2 (optimizers/muon/newton_schulz_tune.py)
     tune_sizes=(1 << 33, 1 << 36, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
     # impl: the classic kernels, the hopper ones (TMA, persistent, pipelined across tiles; sm90 and up)
     # or torch's matmuls (cuBLAS), whichever the tuner measured fastest for the size. Default:

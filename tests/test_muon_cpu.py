@@ -210,7 +210,7 @@ def test_newton_schulz_workloads_each_tune_a_key_of_their_own():
     from kernel_factory.optimizers.muon.newton_schulz_tune import WORKLOADS, workload_key
 
     keys = [workload_key(shapes) for shapes in WORKLOADS]
-    assert len(set(keys)) == len(WORKLOADS) == 7
+    assert len(set(keys)) == len(WORKLOADS) == 8
     assert sorted({bucket for _, bucket in keys}) == sorted(NEWTON_SCHULZ.tune_sizes)
     assert {side for side, _ in keys} == set(NEWTON_SCHULZ.axes["side"])
     assert [side_class(m) for m in (1, 768, 1024, 1025, 2048, 4096, 11008, 16384)] == \

@@ -4,12 +4,12 @@ Muon and users hand over.
 Used by ``python -m kernel_factory.optimizers.tune --families newton_schulz``. Each task is one
 product (X Xᵀ, c A Aᵀ + b A + a I, Bm X; the family's ``product`` axis) at one key: the short side
 and the size bucket (FLOPs of one iteration, ``iteration_flops``) of the batch with the most work.
-The workloads: a single 1024^2, 2048^2, 2048 x 8192, 4096^2 and 8192^2 matrix, the 48 attention
-matrices (768 x 768) of the 134M Llama-style list, and its 36 MLP matrices (768 x 2048, tall ones
-transposed) with the 48 attention ones in the same launches, as Muon's step runs them. The
-products are tuned apart because they want different kernels. A trial checks the product against
-torch's bf16 matmuls on fresh inputs and times the replay of a CUDA graph of one launch (of each
-batch, for torch's matmuls).
+The workloads: a single 1024^2, 2048^2, 2048 x 8192, 4096^2 and 8192^2 matrix, the 134M
+Llama-style list's 36 MLP matrices (768 x 2048, tall ones transposed) with its 48 attention ones
+(768 x 768) in the same launches, as Muon's step runs them, and the batches of an owner rank's two
+NS stages in sharded Muon at 2 ranks (WORKLOADS). The products are tuned apart because they want
+different kernels. A trial checks the product against torch's bf16 matmuls on fresh inputs and
+times the replay of a CUDA graph of one launch (of each batch, for torch's matmuls).
 """
 
 from __future__ import annotations
@@ -35,8 +35,16 @@ from .newton_schulz_launch import (
 # Muon's step runs it, with the 48 x 768^2 batch in the same launches: alone, cuBLAS ran that
 # batch's update in 139 µs against the hopper kernel's 148 on the H200, which says nothing of the
 # joint launch the key is used for (allows).
-WORKLOADS = (((1, 1024, 1024),), ((48, 768, 768),), ((36, 768, 2048), (48, 768, 768)), ((1, 2048, 2048),),
-             ((1, 2048, 8192),), ((1, 4096, 4096),), ((1, 8192, 8192),))  # fmt: skip
+#
+# An owner's NS in sharded Muon at 2 ranks (distributed.py: each rank owns half of every batch's
+# matrices; NS runs in two stages of about equal work) on the 123M GQA model of
+# benchmarks/bench_dist.py (q and o 768^2, k and v 192 x 768, gate and up 2048 x 768, down
+# 768 x 2048; 12 layers): the first stage's three batches key as 48 x 768^2 did (2^37; no one-GPU
+# model's joint launch takes that key, a joint launch keys by its largest batch), the second's
+# six 768 x 2048 matrices a side-1024 key of their own (2^36), which took the 2^37 entry before.
+WORKLOADS = (((1, 1024, 1024),), ((12, 768, 2048), (12, 768, 768), (12, 192, 768)),
+             ((36, 768, 2048), (48, 768, 768)), ((1, 2048, 2048),), ((1, 2048, 8192),), ((1, 4096, 4096),),
+             ((1, 8192, 8192),), ((6, 768, 2048),))  # fmt: skip
 
 
 def workload_key(shapes: tuple[tuple[int, int, int], ...]) -> tuple[int, int]:
