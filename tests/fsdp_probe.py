@@ -124,10 +124,15 @@ def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device
             assert local(model.params[1]).numel() == 0 and float(opt.state[model.params[1]]["step"]) == 4
 
 
-def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu") -> None:
+def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",
+                              pair_stages: bool = False) -> None:  # fmt: skip
     """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
     momentum buffers within ``tol`` (normwise relative; 0: bitwise), and the largest update of the
-    last step (telemetry, the ranks' maximum) within 1e-6 of one process's."""
+    last step (telemetry, the ranks' maximum) within 1e-6 of one process's. ``pair_stages``: the
+    owners' NS stages cut in pairs of batches (``ShardedMuonGroupPlan.pair_stages``)."""
+    from kernel_factory.optimizers.muon.distributed import ShardedMuonGroupPlan
+
+    ShardedMuonGroupPlan.pair_stages = pair_stages
     opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
     # a tensor on this rank's GPU under NCCL (it reduces no CPU tensor), on the CPU under Gloo
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -137,12 +142,15 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     assert expected > 0 and abs(float(amax) - expected) <= 1e-6 * expected, (float(amax), expected)
 
 
-def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu") -> None:
+def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
+                                      pair_stages: bool = False) -> None:  # fmt: skip
     """As ``muon_equal_to_one_process`` on the fused kernels (CUDA; the interpreter on CPU) on both
     sides: each rank's rows of every sharded matrix it holds rows of take the momentum and update
     kernels (``sharded_rows``); the owner's norm and NS run on another path than one process's, so
     within ``tol``."""
     from kernel_factory.optimizers.muon.distributed import ShardedMuonBatch, ShardedMuonGroupPlan
+
+    ShardedMuonGroupPlan.pair_stages = pair_stages
 
     opt = states_equal_to_one_process(rank, world, SHARDED_MUON, "auto" if device == "cuda" else "triton", tol,
                                       device)  # fmt: skip

@@ -57,24 +57,28 @@ def test_fsdp2_step_on_torchs_fused_cpu_kernel_is_within_an_ulp_per_step():
     run_ranks(2, equal_to_one_process, "auto", drift_tol(4))
 
 
-@pytest.mark.parametrize(("world", "backend", "tol"), [(2, "torch", 0.0), (4, "torch", 0.0), (2, "auto", drift_tol(4))])
-def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol):
+@pytest.mark.parametrize(("world", "backend", "tol", "pairs"),
+                         [(2, "torch", 0.0, False), (4, "torch", 0.0, False), (2, "auto", drift_tol(4), False),
+                          (2, "torch", 0.0, True), (4, "torch", 0.0, True)])  # fmt: skip
+def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol, pairs):
     """Muon with an owner rank per matrix, NS on torch's matmuls: bitwise the one-process step on the
-    reference path; on ``auto`` the non-matrix params take torch's fused CPU AdamW (an ulp a step)."""
-    run_ranks(world, muon_equal_to_one_process, backend, tol)
+    reference path; on ``auto`` the non-matrix params take torch's fused CPU AdamW (an ulp a step).
+    ``pairs``: NS stages cut in pairs of batches, the batches sent in the stages' order."""
+    run_ranks(world, muon_equal_to_one_process, backend, tol, "cpu", pairs)
 
 
 # another bf16 rounding of NS (as tests/test_multi_gpu.py bounds it)
 MUON_TOL = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_std=1.0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_muon_under_fsdp2_on_the_kernels_is_within_one_bf16_ns_of_the_one_process_kernels(world):
+@pytest.mark.parametrize(("world", "pairs"), [(2, False), (4, False), (2, True)])
+def test_muon_under_fsdp2_on_the_kernels_is_within_one_bf16_ns_of_the_one_process_kernels(world, pairs):
     """Each rank's rows through the momentum and update kernels (the interpreter), tall matrices'
     pieces written and read transposed, uneven splits and an empty rank at 4 ((5, 3): 2, 2, 1, 0 rows);
     the owner's norm (torch's vector_norm against the kernels' tile sums) and NS (torch's ops on
-    the owner, the same as one process's under the interpreter) round otherwise: one bf16 NS."""
-    run_ranks(world, muon_kernels_equal_to_one_process, MUON_TOL)
+    the owner, the same as one process's under the interpreter) round otherwise: one bf16 NS.
+    ``pairs``: NS stages cut in pairs of batches."""
+    run_ranks(world, muon_kernels_equal_to_one_process, MUON_TOL, "cpu", pairs)
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])  # PyTorch ops on CPU; the fused kernel (interpreter)

@@ -61,9 +61,10 @@ def test_distributed_adamw_gathers_go_out_in_the_order_the_forward_asks_for_them
     nccl(world, zero_gathers_in_the_forward_order, "cuda")
 
 
+@pytest.mark.parametrize("pairs", [False, True])  # NS stages cut in runs, or in pairs of batches
 @pytest.mark.parametrize("world", WORLDS)
-def test_muon_under_fsdp2_is_within_one_bf16_ns_of_the_one_process_step(world):
-    nccl(world, muon_equal_to_one_process, "auto", MUON_TOL, "cuda")
+def test_muon_under_fsdp2_is_within_one_bf16_ns_of_the_one_process_step(world, pairs):
+    nccl(world, muon_equal_to_one_process, "auto", MUON_TOL, "cuda", pairs)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -247,3 +247,36 @@ def test_sharded_batches_are_cut_into_stages_of_about_equal_ns_work():
     assert split_in_stages([square, up, down], 5) == [[square], [up], [down]]
     assert split_in_stages([down, square], 2) == [[down], [square]]
     assert split_in_stages([], 2) == []
+
+
+def test_paired_stages_give_every_launch_two_batches_where_they_can():
+    from types import SimpleNamespace
+
+    from kernel_factory.optimizers.muon.distributed import paired_stages, split_in_stages
+
+    def batch(count, m, n):
+        return SimpleNamespace(params=[None] * count, x=torch.empty(0, m, n))
+
+    # a 123M GQA model's batches in the order of its params: q and o, k and v, gate and up (NS on
+    # their transposes), down; work 10.9, 0.7, 29.0, 14.5 (x 1e9). Cut in runs, the k and v
+    # matrices share a stage with two others and take launches of their own; in pairs none does,
+    # and of the three cuts in pairs the most even is 25.4 : 29.7
+    qo, kv, up, down = batch(24, 768, 768), batch(24, 192, 768), batch(24, 768, 2048), batch(12, 768, 2048)
+    assert paired_stages([qo, kv, up, down], 2) == [[qo, down], [kv, up]]
+    assert paired_stages([qo, kv, up, down], 1) == [[qo, kv, up, down]]
+    assert paired_stages([qo, kv, up, down], 3) == [[qo, kv], [up], [down]]  # 3 launches, 29.0 at most, however cut
+    assert paired_stages([qo, up, down], 2) == [[qo, down], [up]]  # 25.4 : 29.0, beside 39.9 or 43.5
+    assert paired_stages([qo, kv, up, down], 5) == [[qo], [kv], [up], [down]]
+    assert paired_stages([down, qo], 2) == [[down], [qo]]
+    assert paired_stages([], 2) == []
+    many = [batch(1, 64 * (i + 1), 64 * (i + 1)) for i in range(12)]  # past PAIRED_MAX: cut in runs
+    assert paired_stages(many, 2) == split_in_stages(many, 2)
+
+
+def test_stage_labels_list_every_cut_once():
+    from kernel_factory.optimizers.muon.distributed import _stage_labels
+
+    cuts = list(_stage_labels(5, 2))
+    assert len(cuts) == len(set(cuts)) == 15  # Stirling S(5, 2)
+    assert len(list(_stage_labels(10, 3))) == 9330 and list(_stage_labels(3, 3)) == [(0, 1, 2)]
+    assert all(c[0] == 0 and set(c) == {0, 1} for c in cuts)

@@ -264,12 +264,17 @@ class ShardedMuonGroupPlan:
     stage k + 1's NS (on CUDA the collectives run on NCCL's stream; the compute stream waits for
     a collective only where its result is read). ``stages = 1``: one NS run for all, as before.
 
+    ``pair_stages = True`` (on the class) cuts the stages by ``paired_stages`` instead (the fewest
+    NS launches: a stage's batches two a launch), and the batches are sent in the stages' order.
+    Off by default until timed (2 GPUs) against the runs above with its stages' own tuned keys.
+
     ``owner_scheme = False`` (on the class) puts row-split batches on the gathered scheme too:
     every rank gathers and orthogonalizes every matrix (the same bits; benchmarks/bench_dist.py's
     baseline for the owner scheme's traffic and NS work)."""
 
     owner_scheme = True
     stages = 2
+    pair_stages = False
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
         self.key = key
@@ -288,7 +293,9 @@ class ShardedMuonGroupPlan:
                         else GatheredMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps])
                         for key, ps in batches.items()]  # fmt: skip
         self.staged = []  # (batches, their OwnerNS runs) per stage
-        for stage in split_in_stages(self.batches, self.stages):
+        stages = (paired_stages if self.pair_stages else split_in_stages)(self.batches, self.stages)
+        self.batches = [b for stage in stages for b in stage]  # sent in stage order: the first stage's first
+        for stage in stages:
             joint: dict[torch.device, list] = {}
             for b in stage:
                 if b.owned and ns_on_triton(b.x):
@@ -388,6 +395,49 @@ def split_in_stages(batches: list, stages: int) -> list[list]:
         cuts.append(min(range(cuts[-1] + 1, last + 1), key=lambda i: abs(prefix[i] - target)))
     cuts.append(len(batches))
     return [batches[i:j] for i, j in itertools.pairwise(cuts) if j > i]
+
+
+def paired_stages(batches: list, stages: int) -> list[list]:
+    """``batches`` cut into at most ``stages`` non-empty stages with the fewest NS launches, then
+    the least work in the largest stage. Each of NS's products runs a stage's batches two a launch
+    (``newton_schulz_launch._hopper_pairs``), so a stage of k batches takes ceil(k / 2) launches a
+    product, and a batch left alone pays a launch's latency however small it is (on a 123M model's
+    owner the 12 k and v matrices of 192 x 768 took 21 us of launches an iteration, for about 1%
+    of the work, beside two others in a run). Work as ``split_in_stages`` counts it. Every cut of
+    up to ``PAIRED_MAX`` batches is tried (Stirling numbers: 511 cuts of 10 batches in 2 stages);
+    more take ``split_in_stages``. Stages are ordered by their first batch in ``batches`` and keep
+    that order within; ties go to the first cut in that order, so every rank cuts alike."""
+    count = min(stages, len(batches))
+    if len(batches) > PAIRED_MAX or count <= 1:
+        return split_in_stages(batches, stages)
+    work = [len(b.params) * b.x.shape[-2] ** 2 * b.x.shape[-1] for b in batches]
+
+    def cost(labels: tuple[int, ...]) -> tuple:
+        members = [[i for i, s in enumerate(labels) if s == k] for k in range(count)]
+        return sum(-(-len(m) // 2) for m in members), max(sum(work[i] for i in m) for m in members), labels
+
+    best = min(_stage_labels(len(batches), count), key=cost)
+    return [[b for b, s in zip(batches, best, strict=True) if s == k] for k in range(count)]
+
+
+PAIRED_MAX = 10
+
+
+def _stage_labels(n: int, count: int):
+    """Every cut of n items into ``count`` non-empty stages, as a tuple of stage labels per item
+    numbered in order of first appearance (restricted growth strings: each cut once)."""
+
+    def grow(labels: list[int], used: int):
+        left = n - len(labels)
+        if left == 0:
+            if used == count:
+                yield tuple(labels)
+            return
+        for k in range(min(used + 1, count)):
+            if count - max(used, k + 1) <= left - 1:  # enough items left to open the stages still empty
+                yield from grow([*labels, k], max(used, k + 1))
+
+    yield from grow([], 0)
 
 
 def sharded_muon_group_plan(plans: dict, index: int, params: list[DTensor], state: dict) -> ShardedMuonGroupPlan:
