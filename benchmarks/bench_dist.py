@@ -434,20 +434,24 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
-    """``--muon-stages`` and ``--muon-pair-stages`` (``use_muon_stages`` applies them)."""
+    """``--muon-stages``, ``--muon-pair-stages`` and ``--muon-coalesce`` (``use_muon_stages`` applies them)."""
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
     ap.add_argument("--muon-pair-stages", action=argparse.BooleanOptionalAction,
                     default=ShardedMuonGroupPlan.pair_stages,
                     help="cut sharded Muon's stages in pairs of batches (distributed.paired_stages)")  # fmt: skip
+    ap.add_argument("--muon-coalesce", action=argparse.BooleanOptionalAction,
+                    default=ShardedMuonGroupPlan.coalesce,
+                    help="a stage's all-to-alls each way as one NCCL group (ShardedMuonGroupPlan)")  # fmt: skip
 
 
 def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
-    """Sharded Muon's stages from ``--muon-stages`` and ``--muon-pair-stages`` (``add_muon_stages_arg``)."""
+    """Sharded Muon's stages from ``add_muon_stages_arg``'s options."""
     if args.muon_stages < 1:
         ap.error("--muon-stages must be at least 1")
     ShardedMuonGroupPlan.stages = args.muon_stages
     ShardedMuonGroupPlan.pair_stages = args.muon_pair_stages
+    ShardedMuonGroupPlan.coalesce = args.muon_coalesce
 
 
 def model_config_of(args) -> ModelConfig:

@@ -125,14 +125,12 @@ def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device
 
 
 def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",
-                              pair_stages: bool = False) -> None:  # fmt: skip
+                              plan_options: tuple[str, ...] = ()) -> None:  # fmt: skip
     """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
     momentum buffers within ``tol`` (normwise relative; 0: bitwise), and the largest update of the
-    last step (telemetry, the ranks' maximum) within 1e-6 of one process's. ``pair_stages``: the
-    owners' NS stages cut in pairs of batches (``ShardedMuonGroupPlan.pair_stages``)."""
-    from kernel_factory.optimizers.muon.distributed import ShardedMuonGroupPlan
-
-    ShardedMuonGroupPlan.pair_stages = pair_stages
+    last step (telemetry, the ranks' maximum) within 1e-6 of one process's. ``plan_options``: the
+    ``ShardedMuonGroupPlan`` switches turned on (``pair_stages``, ``coalesce``)."""
+    set_muon_plan_options(plan_options)
     opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
     # a tensor on this rank's GPU under NCCL (it reduces no CPU tensor), on the CPU under Gloo
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -142,15 +140,23 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     assert expected > 0 and abs(float(amax) - expected) <= 1e-6 * expected, (float(amax), expected)
 
 
+def set_muon_plan_options(names: tuple[str, ...]) -> None:
+    """Turn on ``ShardedMuonGroupPlan``'s switches ``names`` in this rank's process, the others off."""
+    from kernel_factory.optimizers.muon.distributed import ShardedMuonGroupPlan
+
+    for name in ("pair_stages", "coalesce"):
+        setattr(ShardedMuonGroupPlan, name, name in names)
+
+
 def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
-                                      pair_stages: bool = False) -> None:  # fmt: skip
+                                      plan_options: tuple[str, ...] = ()) -> None:  # fmt: skip
     """As ``muon_equal_to_one_process`` on the fused kernels (CUDA; the interpreter on CPU) on both
     sides: each rank's rows of every sharded matrix it holds rows of take the momentum and update
     kernels (``sharded_rows``); the owner's norm and NS run on another path than one process's, so
     within ``tol``."""
     from kernel_factory.optimizers.muon.distributed import ShardedMuonBatch, ShardedMuonGroupPlan
 
-    ShardedMuonGroupPlan.pair_stages = pair_stages
+    set_muon_plan_options(plan_options)
 
     opt = states_equal_to_one_process(rank, world, SHARDED_MUON, "auto" if device == "cuda" else "triton", tol,
                                       device)  # fmt: skip

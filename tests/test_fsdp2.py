@@ -57,28 +57,30 @@ def test_fsdp2_step_on_torchs_fused_cpu_kernel_is_within_an_ulp_per_step():
     run_ranks(2, equal_to_one_process, "auto", drift_tol(4))
 
 
-@pytest.mark.parametrize(("world", "backend", "tol", "pairs"),
-                         [(2, "torch", 0.0, False), (4, "torch", 0.0, False), (2, "auto", drift_tol(4), False),
-                          (2, "torch", 0.0, True), (4, "torch", 0.0, True)])  # fmt: skip
-def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol, pairs):
+@pytest.mark.parametrize(("world", "backend", "tol", "options"),
+                         [(2, "torch", 0.0, ()), (4, "torch", 0.0, ()), (2, "auto", drift_tol(4), ()),
+                          (2, "torch", 0.0, ("pair_stages",)), (4, "torch", 0.0, ("pair_stages",)),
+                          (2, "torch", 0.0, ("coalesce",))])  # fmt: skip
+def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol, options):
     """Muon with an owner rank per matrix, NS on torch's matmuls: bitwise the one-process step on the
     reference path; on ``auto`` the non-matrix params take torch's fused CPU AdamW (an ulp a step).
-    ``pairs``: NS stages cut in pairs of batches, the batches sent in the stages' order."""
-    run_ranks(world, muon_equal_to_one_process, backend, tol, "cpu", pairs)
+    ``options``: NS stages cut in pairs of batches, the batches sent in the stages' order; the
+    stages' all-to-alls coalesced (on NCCL: Gloo takes them one by one as before)."""
+    run_ranks(world, muon_equal_to_one_process, backend, tol, "cpu", options)
 
 
 # another bf16 rounding of NS (as tests/test_multi_gpu.py bounds it)
 MUON_TOL = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_std=1.0)
 
 
-@pytest.mark.parametrize(("world", "pairs"), [(2, False), (4, False), (2, True)])
-def test_muon_under_fsdp2_on_the_kernels_is_within_one_bf16_ns_of_the_one_process_kernels(world, pairs):
+@pytest.mark.parametrize(("world", "options"), [(2, ()), (4, ()), (2, ("pair_stages",))])
+def test_muon_under_fsdp2_on_the_kernels_is_within_one_bf16_ns_of_the_one_process_kernels(world, options):
     """Each rank's rows through the momentum and update kernels (the interpreter), tall matrices'
     pieces written and read transposed, uneven splits and an empty rank at 4 ((5, 3): 2, 2, 1, 0 rows);
     the owner's norm (torch's vector_norm against the kernels' tile sums) and NS (torch's ops on
     the owner, the same as one process's under the interpreter) round otherwise: one bf16 NS.
-    ``pairs``: NS stages cut in pairs of batches."""
-    run_ranks(world, muon_kernels_equal_to_one_process, MUON_TOL, "cpu", pairs)
+    ``options``: NS stages cut in pairs of batches."""
+    run_ranks(world, muon_kernels_equal_to_one_process, MUON_TOL, "cpu", options)
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])  # PyTorch ops on CPU; the fused kernel (interpreter)

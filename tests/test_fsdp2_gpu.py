@@ -36,12 +36,12 @@ def test_distributed_adamw_on_the_gpu_kernels_is_bitwise_the_one_process_step(mi
     run_ranks(2, zero_equal_to_one_process, "auto", "cuda", micro)
 
 
-@pytest.mark.parametrize("pairs", [False, True])  # NS stages cut in runs, or in pairs of batches
-def test_muon_under_fsdp2_on_the_gpu_is_within_one_bf16_ns_of_the_one_process_step(pairs):
+@pytest.mark.parametrize("options", [(), ("pair_stages",)])  # NS stages cut in runs, or in pairs of batches
+def test_muon_under_fsdp2_on_the_gpu_is_within_one_bf16_ns_of_the_one_process_step(options):
     """The owner runs NS on the tuned kernels from torch's momentum ops; one process runs the fused
     momentum and NS kernels: another bf16 rounding of NS (``muon_tol``)."""
     tol = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_std=1.0)
-    run_ranks(2, muon_equal_to_one_process, "auto", tol, "cuda", pairs)
+    run_ranks(2, muon_equal_to_one_process, "auto", tol, "cuda", options)
 
 
 @pytest.mark.parametrize(("world", "tol"), [(1, 0.0), (2, 1e-6)])

@@ -61,10 +61,11 @@ def test_distributed_adamw_gathers_go_out_in_the_order_the_forward_asks_for_them
     nccl(world, zero_gathers_in_the_forward_order, "cuda")
 
 
-@pytest.mark.parametrize("pairs", [False, True])  # NS stages cut in runs, or in pairs of batches
+# NS stages cut in runs or in pairs of batches; a stage's all-to-alls one by one or as one NCCL group
+@pytest.mark.parametrize("options", [(), ("pair_stages",), ("coalesce",), ("pair_stages", "coalesce")])
 @pytest.mark.parametrize("world", WORLDS)
-def test_muon_under_fsdp2_is_within_one_bf16_ns_of_the_one_process_step(world, pairs):
-    nccl(world, muon_equal_to_one_process, "auto", MUON_TOL, "cuda", pairs)
+def test_muon_under_fsdp2_is_within_one_bf16_ns_of_the_one_process_step(world, options):
+    nccl(world, muon_equal_to_one_process, "auto", MUON_TOL, "cuda", options)
 
 
 @pytest.mark.parametrize("world", WORLDS)

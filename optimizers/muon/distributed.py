@@ -33,6 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from kernel_factory.generator import backend_mode
 
@@ -71,6 +72,8 @@ class ShardedMuonBatch:
         self.device = self.local_params[0].device
         self.dtype = params[0].dtype
         self.tall = self.rows > self.cols
+        # NCCL can take a stage's all-to-alls as one group (ShardedMuonGroupPlan.coalesce); Gloo cannot
+        self.nccl = self.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         W, P, C = self.world, self.per_rank, self.cols
         bf16 = dict(dtype=torch.bfloat16, device=self.device)
         # rows each rank holds (torch.chunk: ceil(R / W), the last non-empty chunk shorter)
@@ -108,9 +111,10 @@ class ShardedMuonBatch:
                                             [self.local_bufs[j] for j in self.order], self._send,
                                             self._back)  # fmt: skip
 
-    def send(self, h: MuonHyper) -> None:
+    def send(self, h: MuonHyper, exchange: bool = True) -> None:
         """Step 1 and 2's start: the momentum of this rank's rows, NS's bf16 input sent to the
-        owners by an all-to-all left running (``receive`` waits for it)."""
+        owners by an all-to-all left running (``receive`` waits for it); ``exchange=False``: the
+        caller issues it (``to_owners``)."""
         if self.kernels is not None:
             self.kernels.momentum(h.momentum, h.nesterov)
         elif self._send.numel():
@@ -119,6 +123,11 @@ class ShardedMuonBatch:
             updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
             rows = [updates[j].reshape(-1, self.cols) for j in self.order]
             torch._foreach_copy_(list(self._send.unbind(0)), rows)
+        if exchange:
+            self.to_owners()
+
+    def to_owners(self) -> None:
+        """The all-to-all of NS's input to the owners, left running."""
         self._work = dist.all_to_all_single(self._got, self._send.view(-1), output_split_sizes=self._from_rank,
                                             input_split_sizes=self._to_owner, group=self.group,
                                             async_op=True)  # fmt: skip
@@ -153,11 +162,17 @@ class ShardedMuonBatch:
         """NS of this batch alone, on torch's ops (CPU; the CUDA batches run as one graph)."""
         return orthogonalize(self.x, h)
 
-    def reply(self, h: MuonHyper, ortho: Tensor) -> None:
+    def reply(self, h: MuonHyper, ortho: Tensor, exchange: bool = True) -> None:
         """Step 4's start: each rank's rows of O (``after_ns``, done in the NS graph where the batch
-        is ``graphed``) sent back to it by an all-to-all left running (``apply`` waits for it)."""
+        is ``graphed``) sent back to it by an all-to-all left running (``apply`` waits for it);
+        ``exchange=False``: the caller issues it (``to_ranks``)."""
         if not self.graphed:
             self.after_ns(ortho)
+        if exchange:
+            self.to_ranks()
+
+    def to_ranks(self) -> None:
+        """The all-to-all of O's rows back to the ranks that hold them, left running."""
         self._work = dist.all_to_all_single(self._back.view(-1), self._reply, output_split_sizes=self._to_owner,
                                             input_split_sizes=self._from_rank, group=self.group,
                                             async_op=True)  # fmt: skip
@@ -212,9 +227,9 @@ class GatheredMuonBatch:
         self.norm = torch.empty(len(params), dtype=torch.float32, device=self.device)
         self._amax = torch.zeros((), device=self.device)
 
-    def send(self, h: MuonHyper) -> None:
+    def send(self, h: MuonHyper, exchange: bool = True) -> None:
         """The momentum of this rank's part, then NS's bf16 input gathered whole into ``x`` and its
-        norms (as ``ShardedMuonBatch``; the gathers wait here)."""
+        norms (as ``ShardedMuonBatch``; the gathers wait here, whatever ``exchange``)."""
         grads = checked_grads(self.params)
         torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
         updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
@@ -237,8 +252,9 @@ class GatheredMuonBatch:
     def orthogonalize(self, h: MuonHyper) -> Tensor:
         return orthogonalize(self.x, h)
 
-    def reply(self, h: MuonHyper, ortho: Tensor) -> None:
-        """Weight decay and the update on this rank's part of each matrix, cut from the whole O."""
+    def reply(self, h: MuonHyper, ortho: Tensor, exchange: bool = True) -> None:
+        """Weight decay and the update on this rank's part of each matrix, cut from the whole O
+        (nothing to exchange)."""
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
         full = (ortho.mT if self.tall else ortho).reshape(len(self.params), *self.params[0].shape)
         mine = [local_part(o, p) for o, p in zip(full.unbind(0), self.params, strict=True)]
@@ -267,6 +283,9 @@ class ShardedMuonGroupPlan:
     ``pair_stages = True`` (on the class) cuts the stages by ``paired_stages`` instead (the fewest
     NS launches: a stage's batches two a launch), and the batches are sent in the stages' order.
     Off by default until timed (2 GPUs) against the runs above with its stages' own tuned keys.
+    ``coalesce = True`` issues a stage's all-to-alls each way as one NCCL group (``_exchange``):
+    one launch and one work for the stage where each batch's cost 28-66 us of host time; off by
+    default until timed.
 
     ``owner_scheme = False`` (on the class) puts row-split batches on the gathered scheme too:
     every rank gathers and orthogonalizes every matrix (the same bits; benchmarks/bench_dist.py's
@@ -275,6 +294,7 @@ class ShardedMuonGroupPlan:
     owner_scheme = True
     stages = 2
     pair_stages = False
+    coalesce = False
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
         self.key = key
@@ -313,9 +333,8 @@ class ShardedMuonGroupPlan:
         the caller may issue other work (the AdamW groups' steps) before ``start`` waits for the
         first stage's."""
         h = self._hyper = MuonHyper(group)
-        for batch in self.batches:  # every all-to-all to the owners starts now, in the same order on every rank
-            with on_device(batch.device):
-                batch.send(h)
+        for stage, _ in self.staged:  # every all-to-all to the owners starts now, in the same order on every rank
+            self._exchange(stage, lambda b, exchange: b.send(h, exchange), ShardedMuonBatch.to_owners)
 
     def start(self) -> None:
         """The stages' NS up to the last stage's replies, which are left moving: the caller may
@@ -332,10 +351,13 @@ class ShardedMuonGroupPlan:
             for ns in runs:
                 with on_device(ns.batches[0].device):
                     orthos.update(zip(map(id, ns.batches), ns(h.schedule, h.eps_bf16)[0], strict=True))
-            for batch in stage:  # the replies move while the next stage's NS runs
-                ortho = orthos.get(id(batch))
-                with on_device(batch.device):
-                    batch.reply(h, batch.orthogonalize(h) if ortho is None else ortho)
+            for batch in stage:  # NS of the batches no joint run took (CPU: torch's ops)
+                if id(batch) not in orthos:
+                    with on_device(batch.device):
+                        orthos[id(batch)] = batch.orthogonalize(h)
+            # the replies move while the next stage's NS runs
+            self._exchange(stage, lambda b, exchange, o=orthos: b.reply(h, o[id(b)], exchange),
+                           ShardedMuonBatch.to_ranks)  # fmt: skip
             self._apply(self._pending)
             self._pending = stage
 
@@ -343,6 +365,25 @@ class ShardedMuonGroupPlan:
         """The last stage's update, once its replies are back (after ``start``)."""
         self._apply(self._pending)
         self._pending = []
+
+    def _exchange(self, stage: list, prepare, exchange) -> None:
+        """``prepare(batch, exchange)`` for each batch of a stage in order, each issuing its own
+        all-to-all; with ``coalesce``, the NCCL batches' (``ShardedMuonBatch.nccl``) are issued
+        after the stage's last ``prepare`` as one NCCL group per process group (one launch, one
+        work: ``torch.distributed``'s coalescing manager), the others' as before."""
+        together: dict[tuple, list[ShardedMuonBatch]] = {}
+        for batch in stage:
+            joined = self.coalesce and isinstance(batch, ShardedMuonBatch) and batch.nccl
+            with on_device(batch.device):
+                prepare(batch, not joined)
+            if joined:
+                together.setdefault((batch.group, batch.device), []).append(batch)
+        for (group, device), batches in together.items():
+            with on_device(device), _coalescing_manager(group, device, async_ops=True) as works:
+                for batch in batches:
+                    exchange(batch)
+            for batch in batches:  # each waits for the group's work (``receive``, ``apply``)
+                batch._work = works
 
     def _apply(self, batches: list) -> None:
         for batch in batches:
