@@ -8,6 +8,7 @@ sum and mean of them is exact and the averaged gradient is bitwise the same at 1
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -132,6 +133,8 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     ``ShardedMuonGroupPlan`` switches turned on (``pair_stages``, ``coalesce``)."""
     set_muon_plan_options(plan_options)
     opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
+    if "coalesce_on_gloo" in plan_options:  # two stages, two ways, four steps
+        assert STAND_IN_GROUPS[0] >= 2 * 2 * 4, STAND_IN_GROUPS
     # a tensor on this rank's GPU under NCCL (it reduces no CPU tensor), on the CPU under Gloo
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     amax = torch.tensor(float(opt.telemetry.summary()["amax_update"]), device=on)
@@ -141,11 +144,60 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
 
 
 def set_muon_plan_options(names: tuple[str, ...]) -> None:
-    """Turn on ``ShardedMuonGroupPlan``'s switches ``names`` in this rank's process, the others off."""
-    from kernel_factory.optimizers.muon.distributed import ShardedMuonGroupPlan
+    """Turn on ``ShardedMuonGroupPlan``'s switches ``names`` in this rank's process, the others off.
+    ``coalesce_on_gloo``: ``coalesce`` with Gloo's batches taken for NCCL ones and a stand-in for
+    the coalescing manager, which Gloo lacks (``_coalesce_stand_in``), so that the grouped path's
+    order of calls and its shared work run on the CPU."""
+    from kernel_factory.optimizers.muon import distributed as muon_dist
 
     for name in ("pair_stages", "coalesce"):
-        setattr(ShardedMuonGroupPlan, name, name in names)
+        setattr(muon_dist.ShardedMuonGroupPlan, name, name in names)
+    if "coalesce_on_gloo" in names:
+        muon_dist.ShardedMuonGroupPlan.coalesce = True
+        init = muon_dist.ShardedMuonBatch.__init__
+
+        def init_as_nccl(self, *args, **kwargs) -> None:
+            init(self, *args, **kwargs)
+            self.nccl = True
+
+        muon_dist.ShardedMuonBatch.__init__ = init_as_nccl
+        muon_dist._coalescing_manager = _coalesce_stand_in
+
+
+STAND_IN_GROUPS = [0]  # groups the stand-in took in this process
+
+
+class _StandInWorks:
+    """What the coalescing manager yields: the works of the calls made inside, waited together."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+@contextlib.contextmanager
+def _coalesce_stand_in(group, device, async_ops: bool):
+    """The coalescing manager's contract on Gloo: the all-to-alls issued inside run one by one, and
+    the yielded object's ``wait`` waits for all of them (NCCL's group gives one work for all)."""
+    assert async_ops and device is not None
+    STAND_IN_GROUPS[0] += 1
+    issued = _StandInWorks()
+    real = dist.all_to_all_single
+
+    def recorded(*args, **kwargs):
+        work = real(*args, **kwargs)
+        issued.works.append(work)
+        return None  # inside NCCL's group no call's own work is waited
+
+    dist.all_to_all_single = recorded
+    try:
+        yield issued
+    finally:
+        dist.all_to_all_single = real
+    assert issued.works, "nothing was issued inside the coalescing manager"
 
 
 def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",

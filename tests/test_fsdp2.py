@@ -60,12 +60,15 @@ def test_fsdp2_step_on_torchs_fused_cpu_kernel_is_within_an_ulp_per_step():
 @pytest.mark.parametrize(("world", "backend", "tol", "options"),
                          [(2, "torch", 0.0, ()), (4, "torch", 0.0, ()), (2, "auto", drift_tol(4), ()),
                           (2, "torch", 0.0, ("pair_stages",)), (4, "torch", 0.0, ("pair_stages",)),
-                          (2, "torch", 0.0, ("coalesce",))])  # fmt: skip
+                          (2, "torch", 0.0, ("coalesce_on_gloo",)),
+                          (4, "torch", 0.0, ("coalesce_on_gloo", "pair_stages"))])  # fmt: skip
 def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol, options):
     """Muon with an owner rank per matrix, NS on torch's matmuls: bitwise the one-process step on the
     reference path; on ``auto`` the non-matrix params take torch's fused CPU AdamW (an ulp a step).
     ``options``: NS stages cut in pairs of batches, the batches sent in the stages' order; the
-    stages' all-to-alls coalesced (on NCCL: Gloo takes them one by one as before)."""
+    stages' all-to-alls issued together after the stage's last momentum or packing, waited through
+    one object, as NCCL's coalescing manager groups them (Gloo has none: a stand-in that issues
+    them one by one, ``fsdp_probe.set_muon_plan_options``)."""
     run_ranks(world, muon_equal_to_one_process, backend, tol, "cpu", options)
 
 
