@@ -155,6 +155,31 @@ def test_bad_arguments_name_the_parameter():
         TurboAdam(w, lr=-1.0)
 
 
+def test_torch_adamw_calls_switch_by_import():
+    # torch.optim.AdamW's flags: fused=True (a common call) and foreach are taken and recorded in
+    # the groups, the step unchanged; what the compressed moments cannot do is refused by name
+    def steps(**flags):
+        w = torch.nn.Parameter(torch.ones(64, 128))
+        opt = TurboAdam([w], lr=1e-2, **flags)
+        w.grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+        opt.step()
+        return w.detach(), opt.param_groups[0]
+
+    plain, _ = steps()
+    for flag in ("fused", "foreach"):
+        stepped, group = steps(**{flag: True})
+        assert torch.equal(stepped, plain) and group[flag] is True
+    w = [torch.nn.Parameter(torch.zeros(4))]
+    for flag, message in (("amsgrad", "use AdamW"), ("maximize", "negate the loss"),
+                          ("differentiable", "use torch.optim.AdamW")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{flag}=True is not supported.*{message}"):
+            TurboAdam(w, **{flag: True})
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+        TurboAdam(w, fused=True, foreach=True)
+    with pytest.raises(TypeError, match="amsgrad must be a bool"):
+        TurboAdam(w, amsgrad=1)
+
+
 def test_the_same_steps_from_the_same_state_give_the_same_bits():
     runs = []
     for _ in range(2):

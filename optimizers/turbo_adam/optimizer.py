@@ -22,6 +22,7 @@ from ..shared import precompile
 from ..shared.buckets import warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
+    check_implementation_flags,
     check_param_grad,
     start_step,
 )
@@ -62,6 +63,9 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         compress_m, compress_v: False keeps that moment exact (fp32), e.g. a v-only mode.
         capturable: accepted (torch's meaning); the fused CUDA step is capturable whatever its value
             (no host sync), the reference path (the CPU, what the kernels do not take) is not.
+        amsgrad, maximize, foreach, fused, differentiable (keyword only): torch.optim.AdamW's flags,
+            so that its calls switch by import: foreach and fused are accepted and checked (the step
+            is always fused); amsgrad, maximize and differentiable must be False (ValueError).
         min_m_compress_elements, min_v_compress_elements: smaller tensors keep exact fp32 moments.
         m_block_size, m_step_factor: turboadam's first-moment codec options, accepted so that its
             users switch by import; ignored with one warning (this codec has no counterpart).
@@ -99,8 +103,22 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         m_block_size: int | None = None,
         m_step_factor: float | None = None,
         rounding_seed: int = 0x12345678,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        check_implementation_flags(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable)
+        unsupported = (("amsgrad", amsgrad, "use AdamW(amsgrad=True)"),
+                       ("maximize", maximize, "negate the loss, or use AdamW(maximize=True)"))
+        for name, value, instead in unsupported:
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+            if value:
+                raise ValueError(f"{name}=True is not supported by TurboAdam; {instead}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or not 32 <= block_size <= 4096 \
                 or block_size % 32:  # fmt: skip
             raise ValueError(f"block_size must be a multiple of 32 in [32, 4096], got {block_size!r}")
@@ -117,7 +135,8 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size, v_bits=v_bits,
                         compress_m=compress_m, compress_v=compress_v, capturable=capturable,
                         min_m_compress_elements=min_m_compress_elements,
-                        min_v_compress_elements=min_v_compress_elements, **_ADAMW_KEYS)  # fmt: skip
+                        min_v_compress_elements=min_v_compress_elements,
+                        **{**_ADAMW_KEYS, "foreach": foreach, "fused": fused})  # fmt: skip
         for name, value in (("m_block_size", m_block_size), ("m_step_factor", m_step_factor)):
             if value is not None:  # turboadam's first-moment codec options: ours has no counterpart
                 warn_once(f"TurboAdam: {name} configures turboadam's first-moment codec, which this one does not "
