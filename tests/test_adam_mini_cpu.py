@@ -93,11 +93,20 @@ def test_unmatched_parameters_are_listed_and_warned_about():
         (dict(betas=(0.9, 1.0)), ValueError, "beta parameter at index 1"),
         (dict(n_kv_heads=3), ValueError, "n_kv_heads"),
         (dict(fallback_capacity=0.0), ValueError, "fallback_capacity"),
+        (dict(model_sharding="yes"), TypeError, "model_sharding"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         AdamMini(gqa_model().named(), **{**GEOMETRY, **kwargs})
+
+
+def test_adam_minis_model_sharding_flag_is_taken_and_ignored_with_a_warning():
+    # adam-mini 1.1.1's keyword (always on there since 1.0.2): its calls switch by import
+    model, twin = gqa_model(), gqa_model()
+    with pytest.warns(RuntimeWarning, match="model_sharding is accepted for adam-mini's calls and ignored"):
+        opt = AdamMini(model.named(), lr=1e-2, model_sharding=True, momentum_dtype="fp32", **GEOMETRY)
+    assert steps_stay_equal(model, opt, twin, AdamMini(twin.named(), lr=1e-2, momentum_dtype="fp32", **GEOMETRY))
 
 
 def test_plain_parameters_are_refused_with_a_clear_error():

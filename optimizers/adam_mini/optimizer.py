@@ -105,6 +105,8 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
         sub_block: FP8 scale granularity, 128 or 256 elements inside a row.
         fallback_capacity: fraction of FP8 sub-blocks that may fall back to bf16 per step.
         verbose: print the partition table.
+        model_sharding: adam-mini's flag, accepted so that its calls switch by import; ignored with
+            one warning (FSDP2's parameters are found by their type).
 
     State per parameter: ``step`` (0-d fp32), ``exp_avg`` (the parameter's shape, momentum
     dtype; FP8 adds ``exp_avg_scale``, ``exp_avg_pool``, ``exp_avg_pool_used``) and
@@ -133,8 +135,14 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
         sub_block: int = 128,
         fallback_capacity: float = FALLBACK_CAPACITY,
         verbose: bool = False,
+        model_sharding: bool | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if model_sharding is not None:  # adam-mini's flag (deprecated there since 1.0.2: always on)
+            if not isinstance(model_sharding, bool):
+                raise TypeError(f"model_sharding must be None or a bool, got {model_sharding!r}")
+            warn_once("AdamMini: model_sharding is accepted for adam-mini's calls and ignored: FSDP2's sharded "
+                      "parameters are found by their type (DTensor)")  # fmt: skip
         if momentum_dtype not in MOMENTUM_DTYPES:
             raise ValueError(f"momentum_dtype must be one of {sorted(MOMENTUM_DTYPES)}, got {momentum_dtype!r}")
         if sub_block not in SUB_BLOCKS:
