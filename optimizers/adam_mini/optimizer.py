@@ -225,9 +225,10 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
 
     def _init_state(self, p: Tensor, part: ParamPartition) -> dict:
         state = self.state[p]
-        if "step" in state and (isinstance(p, DTensor) or state["step"].device == p.device):
-            return state
-        if "step" in state:  # made before the model moved (state follows its param: shared/state_device.py)
+        if "step" in state:
+            if isinstance(p, DTensor) or state["step"].device == p.device:
+                return state
+            # made before the model moved (state follows its param: shared/state_device.py)
             if state["step"].item() > 0:  # stepped: moved as it is (bf16 momentum made on the CPU stays bf16)
                 follow_param(p, state)
                 return state

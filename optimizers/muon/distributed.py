@@ -423,12 +423,11 @@ class OwnerNS(JointNS):
 
 def split_in_stages(batches: list, stages: int) -> list[list]:
     """``batches`` in order, cut into at most ``stages`` non-empty consecutive runs, each cut where
-    the work before it comes nearest to its share of the whole. Work: matrices x m² n for NS on
-    m x n, m <= n (its products' FLOPs up to a constant), counted over all ranks' matrices so that
-    every rank cuts at the same batches. A batch is never split."""
+    the work before it comes nearest to its share of the whole (``_ns_work``: counted over all
+    ranks' matrices, so that every rank cuts at the same batches). A batch is never split."""
     prefix = [0]
     for b in batches:
-        prefix.append(prefix[-1] + len(b.params) * b.x.shape[-2] ** 2 * b.x.shape[-1])
+        prefix.append(prefix[-1] + _ns_work(b))
     cuts = [0]
     for k in range(1, min(stages, len(batches))):
         target = prefix[-1] * k / stages
@@ -438,20 +437,26 @@ def split_in_stages(batches: list, stages: int) -> list[list]:
     return [batches[i:j] for i, j in itertools.pairwise(cuts) if j > i]
 
 
+def _ns_work(batch) -> int:
+    """A batch's NS work over all ranks' matrices: matrices x m² n for NS on m x n, m <= n (its
+    products' FLOPs up to a constant)."""
+    return len(batch.params) * batch.x.shape[-2] ** 2 * batch.x.shape[-1]
+
+
 def paired_stages(batches: list, stages: int) -> list[list]:
     """``batches`` cut into at most ``stages`` non-empty stages with the fewest NS launches, then
     the least work in the largest stage. Each of NS's products runs a stage's batches two a launch
     (``newton_schulz_launch._hopper_pairs``), so a stage of k batches takes ceil(k / 2) launches a
     product, and a batch left alone pays a launch's latency however small it is (on a 123M model's
     owner the 12 k and v matrices of 192 x 768 took 21 us of launches an iteration, for about 1%
-    of the work, beside two others in a run). Work as ``split_in_stages`` counts it. Every cut of
+    of the work, beside two others in a run). Work: ``_ns_work``. Every cut of
     up to ``PAIRED_MAX`` batches is tried (Stirling numbers: 511 cuts of 10 batches in 2 stages);
     more take ``split_in_stages``. Stages are ordered by their first batch in ``batches`` and keep
     that order within; ties go to the first cut in that order, so every rank cuts alike."""
     count = min(stages, len(batches))
     if len(batches) > PAIRED_MAX or count <= 1:
         return split_in_stages(batches, stages)
-    work = [len(b.params) * b.x.shape[-2] ** 2 * b.x.shape[-1] for b in batches]
+    work = [_ns_work(b) for b in batches]
 
     def cost(labels: tuple[int, ...]) -> tuple:
         members = [[i for i, s in enumerate(labels) if s == k] for k in range(count)]
