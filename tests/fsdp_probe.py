@@ -200,6 +200,31 @@ def _coalesce_stand_in(group, device, async_ops: bool):
     assert issued.works, "nothing was issued inside the coalescing manager"
 
 
+def muon_all_to_alls_skip_this_rank(rank: int, world: int) -> None:
+    """A sharded Muon step's all-to-alls (the torch path on Gloo, one call per batch and way) move
+    no element to or from the rank that issues them: a rank's pieces of its own matrices stay on
+    it. Its updates still equal one process's (``muon_equal_to_one_process`` checks the bits)."""
+    os.environ["KERNEL_FACTORY_BACKEND"] = "torch"
+    set_muon_plan_options(())
+    model, opt = sharded(world, SHARDED_MUON)
+    calls = []
+    real = dist.all_to_all_single
+
+    def recorded(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        calls.append((list(input_split_sizes), list(output_split_sizes), input.numel()))
+        return real(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    dist.all_to_all_single = recorded
+    try:
+        fsdp_step(model, opt, 0, rank, world)
+    finally:
+        dist.all_to_all_single = real
+    assert calls, "no all-to-all was issued"
+    for sent, got, numel in calls:
+        assert sent[rank] == 0 and got[rank] == 0 and sum(sent) == numel, (rank, sent, got)
+    assert sum(numel for _, _, numel in calls) > 0
+
+
 def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",
                                       plan_options: tuple[str, ...] = ()) -> None:  # fmt: skip
     """As ``muon_equal_to_one_process`` on the fused kernels (CUDA; the interpreter on CPU) on both

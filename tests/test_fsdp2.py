@@ -30,6 +30,7 @@ from fsdp_probe import (
     hsdp_equal_to_one_process,
     load_checkpoint_and_step,
     mixed_meshes_equal_to_one_process,
+    muon_all_to_alls_skip_this_rank,
     muon_equal_to_one_process,
     muon_kernels_equal_to_one_process,
     save_checkpoint,
@@ -70,6 +71,11 @@ def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol, optio
     one object, as NCCL's coalescing manager groups them (Gloo has none: a stand-in that issues
     them one by one, ``fsdp_probe.set_muon_plan_options``)."""
     run_ranks(world, muon_equal_to_one_process, backend, tol, "cpu", options)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_muon_keeps_a_ranks_own_pieces_out_of_its_all_to_alls(world):
+    run_ranks(world, muon_all_to_alls_skip_this_rank)
 
 
 # another bf16 rounding of NS (as tests/test_multi_gpu.py bounds it)

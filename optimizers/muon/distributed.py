@@ -54,9 +54,12 @@ class ShardedMuonBatch:
     Layout: this rank's rows of each matrix are one piece, (here, C). A matrix tall as a whole
     is x's transposed view: its rows fill row blocks of a contiguous (owned, R, C) buffer, which
     NS reads in place, as every piece is copied in and out by one foreach launch each way. The
-    send buffer holds the pieces owner by owner (owner r's matrices j = r, r + W, ...), so that
-    each owner's part is contiguous and the all-to-all moves no padding; the owner receives
-    (owned, rows of rank s, C) from each rank s, and sends it back the same way. ``mode``: the
+    send buffer holds the pieces owner by owner (owner r's matrices j = r, r + W, ...), the other
+    owners in rank order and this rank last, so that each owner's part is contiguous and the
+    all-to-all moves no padding; the owner receives (owned, rows of rank s, C) from each other
+    rank s, and sends it back the same way. A rank's pieces of its own matrices stay out of the
+    all-to-alls (NCCL would copy them within the rank, on its few SMs, as part of the exchange):
+    NS's input is copied from the send buffer's last part and O into the return buffer's. ``mode``: the
     Triton kernels write and read the pieces (``sharded_rows``) where ``kernel_path`` gives
     ``cuda`` or ``interpreter``; else PyTorch's foreach ops."""
 
@@ -79,20 +82,24 @@ class ShardedMuonBatch:
         # rows each rank holds (torch.chunk: ceil(R / W), the last non-empty chunk shorter)
         heres = [max(0, min(P, self.rows - s * P)) for s in range(W)]
         here, owned = heres[self.rank], len(self.owned)
-        self.order = [j for r in range(W) for j in range(r, len(params), W)]  # pieces, owner by owner
+        owners = [r for r in range(W) if r != self.rank] + [self.rank]  # this rank's own pieces last
+        self.order = [j for r in owners for j in range(r, len(params), W)]  # pieces, owner by owner
         self._send, self._back = (torch.zeros((len(params), here, C), **bf16) for _ in range(2))
-        self._to_owner = [len(range(r, len(params), W)) * here * C for r in range(W)]  # elements to rank r
-        self._from_rank = [owned * heres[s] * C for s in range(W)]  # elements from rank s
+        away = len(params) - owned  # the pieces of other owners' matrices: _send[:away], _back[:away]
+        self._away = (self._send[:away].view(-1), self._back[:away].view(-1))
+        # elements to owner r and from rank s through the all-to-alls (none to or from this rank)
+        self._to_owner = [0 if r == self.rank else len(range(r, len(params), W)) * here * C for r in range(W)]
+        self._from_rank = [0 if s == self.rank else owned * heres[s] * C for s in range(W)]
         self._got, self._reply = (torch.zeros(sum(self._from_rank), **bf16) for _ in range(2))  # flat: split by element
         # rank s's pieces of the owned matrices, and the rows of x (tall: columns) they fill
         self._spans = [(s, s * P, s * P + heres[s]) for s in range(W) if heres[s]]
         starts = [sum(self._from_rank[:s]) for s in range(W)]
 
-        def parts(flat: Tensor) -> dict[int, Tensor]:  # rank s's part of a received or sent buffer
-            return {s: flat[starts[s] : starts[s] + self._from_rank[s]].view(owned, heres[s], C)
-                    for s, _, _ in self._spans}  # fmt: skip
+        def parts(flat: Tensor, own: Tensor) -> dict[int, Tensor]:  # rank s's part of a received or sent buffer
+            got = {s: flat[starts[s] : starts[s] + self._from_rank[s]] for s, _, _ in self._spans}
+            return {s: own if s == self.rank else part.view(owned, heres[s], C) for s, part in got.items()}
 
-        self._got_parts, self._reply_parts = parts(self._got), parts(self._reply)
+        self._got_parts, self._reply_parts = parts(self._got, self._send[away:]), parts(self._reply, self._back[away:])
         rows = torch.empty((owned, self.rows, C), **bf16)  # the owned matrices' rows
         self.x = rows.mT if self.tall else rows  # (owned, m, n), m <= n
         # each piece is a contiguous block of rows, all copied in one foreach launch (a copy of a
@@ -127,8 +134,10 @@ class ShardedMuonBatch:
             self.to_owners()
 
     def to_owners(self) -> None:
-        """The all-to-all of NS's input to the owners, left running."""
-        self._work = dist.all_to_all_single(self._got, self._send.view(-1), output_split_sizes=self._from_rank,
+        """The all-to-all of NS's input to the owners, left running (none on one rank)."""
+        if self.world == 1:
+            return
+        self._work = dist.all_to_all_single(self._got, self._away[0], output_split_sizes=self._from_rank,
                                             input_split_sizes=self._to_owner, group=self.group,
                                             async_op=True)  # fmt: skip
 
@@ -136,7 +145,8 @@ class ShardedMuonBatch:
         """Step 2's end: once the all-to-all is done (on CUDA the stream waits, not the host), the
         owner's matrices into ``x`` and their norms (``before_ns``; in the NS graph where the
         batch is ``graphed``)."""
-        self._work.wait()
+        if self._work is not None:
+            self._work.wait()
         if not self.graphed:
             self.before_ns(h.eps_bf16)
 
@@ -172,14 +182,18 @@ class ShardedMuonBatch:
             self.to_ranks()
 
     def to_ranks(self) -> None:
-        """The all-to-all of O's rows back to the ranks that hold them, left running."""
-        self._work = dist.all_to_all_single(self._back.view(-1), self._reply, output_split_sizes=self._to_owner,
+        """The all-to-all of O's rows back to the ranks that hold them, left running (none on one
+        rank)."""
+        if self.world == 1:
+            return
+        self._work = dist.all_to_all_single(self._away[1], self._reply, output_split_sizes=self._to_owner,
                                             input_split_sizes=self._from_rank, group=self.group,
                                             async_op=True)  # fmt: skip
 
     def apply(self, h: MuonHyper) -> None:
         """Step 4's end: once this rank's rows of O are back, weight decay and the update on them."""
-        self._work.wait()
+        if self._work is not None:
+            self._work.wait()
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
         decay = 1 - h.lr * h.weight_decay
         if self.kernels is not None:
@@ -282,10 +296,11 @@ class ShardedMuonGroupPlan:
 
     ``pair_stages = True`` (on the class) cuts the stages by ``paired_stages`` instead (the fewest
     NS launches: a stage's batches two a launch), and the batches are sent in the stages' order.
-    Off by default until timed (2 GPUs) against the runs above with its stages' own tuned keys.
-    ``coalesce = True`` issues a stage's all-to-alls each way as one NCCL group (``_exchange``):
-    one launch and one work for the stage where each batch's cost 28-66 us of host time; off by
-    default until timed.
+    Off: on two H200s at 123M, with its stages' own tuned keys, no faster on the GPU than the runs
+    above (benchmarks/results/bench_dist/muon_exchange_w2.md).
+    ``coalesce = True`` (the default) issues a stage's all-to-alls each way as one NCCL group
+    (``_exchange``): one launch and one work for the stage where each batch's cost 28-66 us of
+    host time (on two H200s at 123M the step's GPU time 1.787 -> 1.776 ms, kernels 90 -> 86).
 
     ``owner_scheme = False`` (on the class) puts row-split batches on the gathered scheme too:
     every rank gathers and orthogonalizes every matrix (the same bits; benchmarks/bench_dist.py's
@@ -294,7 +309,7 @@ class ShardedMuonGroupPlan:
     owner_scheme = True
     stages = 2
     pair_stages = False
-    coalesce = False
+    coalesce = True
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
         self.key = key
@@ -373,7 +388,7 @@ class ShardedMuonGroupPlan:
         work: ``torch.distributed``'s coalescing manager), the others' as before."""
         together: dict[tuple, list[ShardedMuonBatch]] = {}
         for batch in stage:
-            joined = self.coalesce and isinstance(batch, ShardedMuonBatch) and batch.nccl
+            joined = self.coalesce and isinstance(batch, ShardedMuonBatch) and batch.nccl and batch.world > 1
             with on_device(batch.device):
                 prepare(batch, not joined)
             if joined:
