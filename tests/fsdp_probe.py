@@ -126,13 +126,14 @@ def equal_to_one_process(rank: int, world: int, backend: str, tol: float, device
 
 
 def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, device: str = "cpu",
-                              plan_options: tuple[str, ...] = ()) -> None:  # fmt: skip
+                              plan_options: tuple[str, ...] = (), hsdp: bool = False) -> None:  # fmt: skip
     """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
     momentum buffers within ``tol`` (normwise relative; 0: bitwise), and the largest update of the
     last step (telemetry, the ranks' maximum) within 1e-6 of one process's. ``plan_options``: the
-    ``ShardedMuonGroupPlan`` switches turned on (``pair_stages``, ``coalesce``)."""
+    ``ShardedMuonGroupPlan`` switches turned on (``pair_stages``, ``coalesce``). ``hsdp``: 2
+    replicas of world / 2 shards (the all-to-alls run in each replica's shard group)."""
     set_muon_plan_options(plan_options)
-    opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device)
+    opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device, hsdp)
     if "coalesce_on_gloo" in plan_options:  # two stages, two ways, four steps
         assert STAND_IN_GROUPS[0] >= 2 * 2 * 4, STAND_IN_GROUPS
     # a tensor on this rank's GPU under NCCL (it reduces no CPU tensor), on the CPU under Gloo

@@ -73,6 +73,11 @@ def test_muon_under_fsdp2_equals_the_one_process_step(world, backend, tol, optio
     run_ranks(world, muon_equal_to_one_process, backend, tol, "cpu", options)
 
 
+def test_muon_under_hsdp_with_grouped_all_to_alls_equals_the_one_process_step():
+    """HSDP's shard groups (2 replicas of 2 shards) under the grouped path (Gloo stand-in)."""
+    run_ranks(4, muon_equal_to_one_process, "torch", 0.0, "cpu", ("coalesce_on_gloo",), True)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_muon_keeps_a_ranks_own_pieces_out_of_its_all_to_alls(world):
     run_ranks(world, muon_all_to_alls_skip_this_rank)

@@ -68,6 +68,13 @@ def test_muon_under_fsdp2_is_within_one_bf16_ns_of_the_one_process_step(world, o
     nccl(world, muon_equal_to_one_process, "auto", MUON_TOL, "cuda", options)
 
 
+@pytest.mark.skipif(GPUS < 4, reason="HSDP here: 2 replicas of 2 shards, a GPU each")
+@pytest.mark.parametrize("options", [(), ("coalesce",)])
+def test_muon_under_hsdp_is_within_one_bf16_ns_of_the_one_process_step(options):
+    """The all-to-alls (one by one, or grouped by NCCL) run in each replica's shard group."""
+    nccl(4, muon_equal_to_one_process, "auto", MUON_TOL, "cuda", options, True)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_adam_mini_under_fsdp2_follows_the_one_process_kernels(world):
     """fp32 momentum within parity's 1e-6; FP8 momentum within parity's FP8 bounds (params 1e-4,
