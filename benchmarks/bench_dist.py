@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.convergence.model import ModelConfig, TinyLlama  # noqa: E402
 from kernel_factory.optimizers import Adafactor, AdamMini, AdamW, DistributedAdamW, Muon, TurboAdam  # noqa: E402
-from kernel_factory.optimizers.muon.distributed import ShardedMuonGroupPlan  # noqa: E402
+from kernel_factory.optimizers.muon.distributed import ShardedMuonBatch, ShardedMuonGroupPlan  # noqa: E402
 from kernel_factory.optimizers.muon.optimizer import uses_muon  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_dist"
@@ -434,7 +434,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
-    """``--muon-stages``, ``--muon-pair-stages`` and ``--muon-coalesce`` (``use_muon_stages`` applies them)."""
+    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-coalesce`` and ``--muon-gather-kernel``
+    (``use_muon_stages`` applies them)."""
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
     ap.add_argument("--muon-pair-stages", action=argparse.BooleanOptionalAction,
@@ -443,6 +444,9 @@ def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--muon-coalesce", action=argparse.BooleanOptionalAction,
                     default=ShardedMuonGroupPlan.coalesce,
                     help="a stage's all-to-alls each way as one NCCL group (ShardedMuonGroupPlan)")  # fmt: skip
+    ap.add_argument("--muon-gather-kernel", action=argparse.BooleanOptionalAction,
+                    default=ShardedMuonBatch.gather_kernel,
+                    help="the owner's pieces and norms by the kernels (muon/owner_gather.py)")  # fmt: skip
 
 
 def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
@@ -452,6 +456,7 @@ def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
     ShardedMuonGroupPlan.stages = args.muon_stages
     ShardedMuonGroupPlan.pair_stages = args.muon_pair_stages
     ShardedMuonGroupPlan.coalesce = args.muon_coalesce
+    ShardedMuonBatch.gather_kernel = args.muon_gather_kernel
 
 
 def model_config_of(args) -> ModelConfig:

@@ -4,7 +4,17 @@ selection and timing helpers. It knows nothing about optimizers."""
 from .arch import detect_arch
 from .backend import backend_mode, interpreter_enabled, triton_available
 from .cache import select, size_bucket
-from .families import ADAFACTOR, ADAM_MINI, ADAMW, FAMILIES, MUON, NEWTON_SCHULZ, TURBO_ADAM, get_family
+from .families import (
+    ADAFACTOR,
+    ADAM_MINI,
+    ADAMW,
+    FAMILIES,
+    MUON,
+    MUON_OWNER,
+    NEWTON_SCHULZ,
+    TURBO_ADAM,
+    get_family,
+)
 from .family import Config, KernelFamily, Tunable
 from .render import load, render, template_hash, user_cache_dir
 
@@ -14,6 +24,7 @@ __all__ = [
     "ADAMW",
     "FAMILIES",
     "MUON",
+    "MUON_OWNER",
     "NEWTON_SCHULZ",
     "TURBO_ADAM",
     "Config",

@@ -177,6 +177,18 @@ MUON = KernelFamily(
     is_legal=_muon_is_legal,
 )
 
+# Sharded Muon's owner gathers its matrices' row pieces (muon_owner.py.j2). Not tuned: its tiles
+# fix which elements each partial sum of the norm adds, so one config at every size and world size
+# keeps the norm the same bits at any world size. 8 x 256 tiles, 4 warps: 16 elements a thread.
+MUON_OWNER = KernelFamily(
+    name="muon_owner",
+    template="muon_owner.py.j2",
+    description="sharded Muon's owner: received row pieces into whole matrices, with the norm's partial sums",
+    axes={},
+    tunables=(Tunable("BLOCK_R", 8, (8,)), Tunable("BLOCK_C", 256, (256,)), Tunable("num_warps", 4, (4,))),
+    is_legal=lambda c: True,
+)
+
 def _turbo_adam_is_legal(c: Mapping[str, int]) -> bool:
     # A tile is four planes of G x 32 elements of one row (turbo_adam.py.j2); each thread holds 2 to
     # 8 elements of each plane (fewer and the warps would hold copies of one another's; more and the
@@ -264,7 +276,7 @@ ADAFACTOR = KernelFamily(
 )
 
 FAMILIES: dict[str, KernelFamily] = {
-    f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON, TURBO_ADAM, ADAFACTOR)
+    f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON, MUON_OWNER, TURBO_ADAM, ADAFACTOR)
 }
 
 

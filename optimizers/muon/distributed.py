@@ -41,6 +41,7 @@ from ..shared.buckets import kernel_path
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local, local_part, row_shard_group
 from .newton_schulz import iterate, ns_on_triton
+from .owner_gather import OwnerGather
 from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer, on_device
 from .sharded_rows import LocalRowsKernels
 
@@ -61,7 +62,13 @@ class ShardedMuonBatch:
     all-to-alls (NCCL would copy them within the rank, on its few SMs, as part of the exchange):
     NS's input is copied from the send buffer's last part and O into the return buffer's. ``mode``: the
     Triton kernels write and read the pieces (``sharded_rows``) where ``kernel_path`` gives
-    ``cuda`` or ``interpreter``; else PyTorch's foreach ops."""
+    ``cuda`` or ``interpreter``; else PyTorch's foreach ops.
+
+    ``gather_kernel = True`` (on the class; off by default until timed on GPUs): on those paths the
+    owner's copy of the pieces into x and its norms run as two launches (``owner_gather``) instead
+    of a foreach copy and torch's bf16 ``vector_norm``."""
+
+    gather_kernel = False
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
         self.params, self.bufs = params, bufs
@@ -107,6 +114,9 @@ class ShardedMuonBatch:
         pairs = [(rows[k, a:b], self._got_parts[s][k]) for s, a, b in self._spans for k in range(owned)]
         self._unpack = ([d for d, _ in pairs], [g for _, g in pairs])
         self._pieces = [self._reply_parts[s][k] for s, _, _ in self._spans for k in range(owned)]
+        self.gather = None  # the kernels' gather and norm (owner_gather.py), where taken
+        if owned and self.gather_kernel and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
+            self.gather = OwnerGather(self._got, self._send[away:], starts, heres, rows, P, self.rank)
         self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O, its pieces' views)
         self.norm = torch.empty(owned, dtype=torch.float32, device=self.device)
         self._amax_lr: float | None = None  # the last step's adjusted lr (update_amax)
@@ -154,6 +164,9 @@ class ShardedMuonBatch:
         """The owner's matrices into ``x`` (rank s's pieces are rows [a, b) of each; a tall
         matrix's rows are x's columns) and their norms (as torch's bf16 vector_norm, at least
         eps): static buffers in, static out."""
+        if self.gather is not None:
+            self.gather(self.norm, eps_bf16)
+            return
         if self.owned:
             torch._foreach_copy_(*self._unpack)
         self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=eps_bf16))
