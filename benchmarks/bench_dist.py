@@ -434,7 +434,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
-    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-coalesce`` and ``--muon-gather-kernel``
+    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-coalesce`` and ``--muon-owner-kernels``
     (``use_muon_stages`` applies them)."""
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
@@ -444,9 +444,9 @@ def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--muon-coalesce", action=argparse.BooleanOptionalAction,
                     default=ShardedMuonGroupPlan.coalesce,
                     help="a stage's all-to-alls each way as one NCCL group (ShardedMuonGroupPlan)")  # fmt: skip
-    ap.add_argument("--muon-gather-kernel", action=argparse.BooleanOptionalAction,
-                    default=ShardedMuonBatch.gather_kernel,
-                    help="the owner's pieces and norms by the kernels (muon/owner_gather.py)")  # fmt: skip
+    ap.add_argument("--muon-owner-kernels", action=argparse.BooleanOptionalAction,
+                    default=ShardedMuonBatch.owner_kernels,
+                    help="the owner's pieces and norms by the kernels (muon/owner_pieces.py)")  # fmt: skip
 
 
 def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
@@ -456,7 +456,7 @@ def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
     ShardedMuonGroupPlan.stages = args.muon_stages
     ShardedMuonGroupPlan.pair_stages = args.muon_pair_stages
     ShardedMuonGroupPlan.coalesce = args.muon_coalesce
-    ShardedMuonBatch.gather_kernel = args.muon_gather_kernel
+    ShardedMuonBatch.owner_kernels = args.muon_owner_kernels
 
 
 def model_config_of(args) -> ModelConfig:

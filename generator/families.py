@@ -177,13 +177,14 @@ MUON = KernelFamily(
     is_legal=_muon_is_legal,
 )
 
-# Sharded Muon's owner gathers its matrices' row pieces (muon_owner.py.j2). Not tuned: its tiles
-# fix which elements each partial sum of the norm adds, so one config at every size and world size
-# keeps the norm the same bits at any world size. 8 x 256 tiles, 4 warps: 16 elements a thread.
+# Sharded Muon's owner gathers its matrices' row pieces and scatters O's rows back into them
+# (muon_owner.py.j2). Not tuned: its tiles fix which elements each partial sum of the norm adds,
+# so one config at every size and world size keeps the norm the same bits at any world size.
+# 8 x 256 tiles, 4 warps: 16 elements a thread.
 MUON_OWNER = KernelFamily(
     name="muon_owner",
     template="muon_owner.py.j2",
-    description="sharded Muon's owner: received row pieces into whole matrices, with the norm's partial sums",
+    description="sharded Muon's owner: row pieces into whole matrices with the norm's partial sums, and back",
     axes={},
     tunables=(Tunable("BLOCK_R", 8, (8,)), Tunable("BLOCK_C", 256, (256,)), Tunable("num_warps", 4, (4,))),
     is_legal=lambda c: True,

@@ -146,7 +146,7 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
 
 def set_muon_plan_options(names: tuple[str, ...]) -> None:
     """Turn on ``ShardedMuonGroupPlan``'s switches ``names`` (and ``ShardedMuonBatch``'s
-    ``gather_kernel``) in this rank's process, the others off.
+    ``owner_kernels``) in this rank's process, the others off.
     ``coalesce_on_gloo``: ``coalesce`` with Gloo's batches taken for NCCL ones and a stand-in for
     the coalescing manager, which Gloo lacks (``_coalesce_stand_in``), so that the grouped path's
     order of calls and its shared work run on the CPU."""
@@ -154,7 +154,7 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
 
     for name in ("pair_stages", "coalesce"):
         setattr(muon_dist.ShardedMuonGroupPlan, name, name in names)
-    muon_dist.ShardedMuonBatch.gather_kernel = "gather_kernel" in names
+    muon_dist.ShardedMuonBatch.owner_kernels = "owner_kernels" in names
     if "coalesce_on_gloo" in names:
         muon_dist.ShardedMuonGroupPlan.coalesce = True
         init = muon_dist.ShardedMuonBatch.__init__
@@ -243,8 +243,8 @@ def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device:
     batches = [b for plan in opt._plans.values() if isinstance(plan, ShardedMuonGroupPlan) for b in plan.batches
                if isinstance(b, ShardedMuonBatch)]  # fmt: skip
     assert batches and all(b.kernels is not None for b in batches if b.local_params[0].numel())
-    if "gather_kernel" in plan_options:
-        assert all(b.gather is not None for b in batches if b.owned)
+    if "owner_kernels" in plan_options:
+        assert all(b.pieces is not None for b in batches if b.owned)
 
 
 def turbo_adam_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",

@@ -87,15 +87,15 @@ def test_sharded_muon_keeps_a_ranks_own_pieces_out_of_its_all_to_alls(world):
 MUON_TOL = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_std=1.0)
 
 
-@pytest.mark.parametrize(("world", "options"), [(2, ()), (4, ()), (2, ("pair_stages",)), (2, ("gather_kernel",)),
-                                               (4, ("gather_kernel",))])  # fmt: skip
+@pytest.mark.parametrize(("world", "options"), [(2, ()), (4, ()), (2, ("pair_stages",)), (2, ("owner_kernels",)),
+                                               (4, ("owner_kernels",))])  # fmt: skip
 def test_muon_under_fsdp2_on_the_kernels_is_within_one_bf16_ns_of_the_one_process_kernels(world, options):
     """Each rank's rows through the momentum and update kernels (the interpreter), tall matrices'
     pieces written and read transposed, uneven splits and an empty rank at 4 ((5, 3): 2, 2, 1, 0 rows);
     the owner's norm (torch's vector_norm against the kernels' tile sums) and NS (torch's ops on
     the owner, the same as one process's under the interpreter) round otherwise: one bf16 NS.
-    ``options``: NS stages cut in pairs of batches; the owner's pieces gathered and its norm taken
-    by the kernels (``owner_gather``)."""
+    ``options``: NS stages cut in pairs of batches; the owner's pieces gathered, its norm taken and
+    O scattered back by the kernels (``owner_pieces``)."""
     run_ranks(world, muon_kernels_equal_to_one_process, MUON_TOL, "cpu", options)
 
 

@@ -37,7 +37,7 @@ def test_distributed_adamw_on_the_gpu_kernels_is_bitwise_the_one_process_step(mi
 
 
 # NS stages cut in runs, or in pairs of batches; the owner's gather and norm by the kernels
-@pytest.mark.parametrize("options", [(), ("pair_stages",), ("gather_kernel",)])
+@pytest.mark.parametrize("options", [(), ("pair_stages",), ("owner_kernels",)])
 def test_muon_under_fsdp2_on_the_gpu_is_within_one_bf16_ns_of_the_one_process_step(options):
     """The owner runs NS on the tuned kernels from torch's momentum ops; one process runs the fused
     momentum and NS kernels: another bf16 rounding of NS (``muon_tol``)."""
@@ -81,7 +81,7 @@ def test_adam_mini_fp8_under_fsdp2_on_the_gpu_is_within_parity_of_the_one_proces
     run_ranks(2, adam_mini_equal_to_one_process, "auto", 1e-4, "cuda", "fp8", 1e-2)
 
 
-@pytest.mark.parametrize("options", [(), ("gather_kernel",)])
+@pytest.mark.parametrize("options", [(), ("owner_kernels",)])
 def test_sharded_muon_on_the_gpu_does_not_change_with_the_world_size(tmp_path, options):
     """1 rank (one owner NS-es a batch of 3) and 2 ranks (batches of 2 and 1 on two owners): the
     batched NS kernels' per-matrix arithmetic does not depend on the batch, nor the owner's norm

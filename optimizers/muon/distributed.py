@@ -41,7 +41,7 @@ from ..shared.buckets import kernel_path
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local, local_part, row_shard_group
 from .newton_schulz import iterate, ns_on_triton
-from .owner_gather import OwnerGather
+from .owner_pieces import OwnerPieces
 from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer, on_device
 from .sharded_rows import LocalRowsKernels
 
@@ -64,11 +64,12 @@ class ShardedMuonBatch:
     Triton kernels write and read the pieces (``sharded_rows``) where ``kernel_path`` gives
     ``cuda`` or ``interpreter``; else PyTorch's foreach ops.
 
-    ``gather_kernel = True`` (on the class; off by default until timed on GPUs): on those paths the
-    owner's copy of the pieces into x and its norms run as two launches (``owner_gather``) instead
-    of a foreach copy and torch's bf16 ``vector_norm``."""
+    ``owner_kernels = True`` (on the class; off by default until timed on GPUs): on those paths the
+    owner's copy of the pieces into x and its norms run as two launches, and its copy of O into the
+    pieces as one (``owner_pieces``), instead of a foreach copy each way and torch's bf16
+    ``vector_norm``."""
 
-    gather_kernel = False
+    owner_kernels = False
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
         self.params, self.bufs = params, bufs
@@ -114,9 +115,10 @@ class ShardedMuonBatch:
         pairs = [(rows[k, a:b], self._got_parts[s][k]) for s, a, b in self._spans for k in range(owned)]
         self._unpack = ([d for d, _ in pairs], [g for _, g in pairs])
         self._pieces = [self._reply_parts[s][k] for s, _, _ in self._spans for k in range(owned)]
-        self.gather = None  # the kernels' gather and norm (owner_gather.py), where taken
-        if owned and self.gather_kernel and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
-            self.gather = OwnerGather(self._got, self._send[away:], starts, heres, rows, P, self.rank)
+        self.pieces = None  # the kernels' gather, norm and scatter (owner_pieces.py), where taken
+        if owned and self.owner_kernels and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
+            self.pieces = OwnerPieces(self._got, self._reply, self._send[away:], self._back[away:], starts, heres,
+                                      rows, P, self.rank)  # fmt: skip
         self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O, its pieces' views)
         self.norm = torch.empty(owned, dtype=torch.float32, device=self.device)
         self._amax_lr: float | None = None  # the last step's adjusted lr (update_amax)
@@ -164,8 +166,8 @@ class ShardedMuonBatch:
         """The owner's matrices into ``x`` (rank s's pieces are rows [a, b) of each; a tall
         matrix's rows are x's columns) and their norms (as torch's bf16 vector_norm, at least
         eps): static buffers in, static out."""
-        if self.gather is not None:
-            self.gather(self.norm, eps_bf16)
+        if self.pieces is not None:
+            self.pieces.gather(self.norm, eps_bf16)
             return
         if self.owned:
             torch._foreach_copy_(*self._unpack)
@@ -175,7 +177,9 @@ class ShardedMuonBatch:
         """Each rank's rows of O (the owner's ``ortho``, (owned, m, n); a tall matrix's rows are
         its columns) into the reply buffer: one foreach copy, of contiguous blocks where NS wrote
         O in x's layout (``newton_schulz_launch.update_output``)."""
-        if self.owned:
+        if self.pieces is not None:
+            self.pieces.scatter(ortho.mT if self.tall else ortho)
+        elif self.owned:
             if self._pack_from[0] != ortho.data_ptr():  # a CUDA graph's output stays put: views kept
                 rows, owned = (ortho.mT if self.tall else ortho), range(len(self.owned))
                 self._pack_from = (ortho.data_ptr(), [rows[k, a:b] for _, a, b in self._spans for k in owned])
