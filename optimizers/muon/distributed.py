@@ -165,7 +165,7 @@ class ShardedMuonBatch:
     def before_ns(self, eps_bf16: float) -> None:
         """The owner's matrices into ``x`` (rank s's pieces are rows [a, b) of each; a tall
         matrix's rows are x's columns) and their norms (as torch's bf16 vector_norm, at least
-        eps): static buffers in, static out."""
+        eps; the owner kernels' where taken): static buffers in, static out."""
         if self.pieces is not None:
             self.pieces.gather(self.norm, eps_bf16)
             return
@@ -176,7 +176,7 @@ class ShardedMuonBatch:
     def after_ns(self, ortho: Tensor) -> None:
         """Each rank's rows of O (the owner's ``ortho``, (owned, m, n); a tall matrix's rows are
         its columns) into the reply buffer: one foreach copy, of contiguous blocks where NS wrote
-        O in x's layout (``newton_schulz_launch.update_output``)."""
+        O in x's layout (``newton_schulz_launch.update_output``), or the owner kernels' scatter."""
         if self.pieces is not None:
             self.pieces.scatter(ortho.mT if self.tall else ortho)
         elif self.owned:
