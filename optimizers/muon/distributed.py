@@ -110,15 +110,16 @@ class ShardedMuonBatch:
         self._got_parts, self._reply_parts = parts(self._got, self._send[away:]), parts(self._reply, self._back[away:])
         rows = torch.empty((owned, self.rows, C), **bf16)  # the owned matrices' rows
         self.x = rows.mT if self.tall else rows  # (owned, m, n), m <= n
-        # each piece is a contiguous block of rows, all copied in one foreach launch (a copy of a
-        # strided view, a tall matrix's transposed piece, ran at a fraction of the copy rate)
-        pairs = [(rows[k, a:b], self._got_parts[s][k]) for s, a, b in self._spans for k in range(owned)]
-        self._unpack = ([d for d, _ in pairs], [g for _, g in pairs])
-        self._pieces = [self._reply_parts[s][k] for s, _, _ in self._spans for k in range(owned)]
         self.pieces = None  # the kernels' gather, norm and scatter (owner_pieces.py), where taken
         if owned and self.owner_kernels and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
             self.pieces = OwnerPieces(self._got, self._reply, self._send[away:], self._back[away:], starts, heres,
                                       rows, P, self.rank)  # fmt: skip
+        else:
+            # each piece is a contiguous block of rows, all copied in one foreach launch (a copy of
+            # a strided view, a tall matrix's transposed piece, ran at a fraction of the copy rate)
+            pairs = [(rows[k, a:b], self._got_parts[s][k]) for s, a, b in self._spans for k in range(owned)]
+            self._unpack = ([d for d, _ in pairs], [g for _, g in pairs])
+            self._pieces = [self._reply_parts[s][k] for s, _, _ in self._spans for k in range(owned)]
         self._pack_from: tuple[int, list[Tensor]] = (0, [])  # (address of O, its pieces' views)
         self.norm = torch.empty(owned, dtype=torch.float32, device=self.device)
         self._amax_lr: float | None = None  # the last step's adjusted lr (update_amax)
