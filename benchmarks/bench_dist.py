@@ -434,8 +434,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
-    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-coalesce`` and ``--muon-owner-kernels``
-    (``use_muon_stages`` applies them)."""
+    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-coalesce``, ``--muon-owner-kernels`` and
+    ``--muon-peer-copies`` (``use_muon_stages`` applies them)."""
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
     ap.add_argument("--muon-pair-stages", action=argparse.BooleanOptionalAction,
@@ -447,6 +447,9 @@ def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--muon-owner-kernels", action=argparse.BooleanOptionalAction,
                     default=ShardedMuonBatch.owner_kernels,
                     help="the owner's pieces and norms by the kernels (muon/owner_pieces.py)")  # fmt: skip
+    ap.add_argument("--muon-peer-copies", action=argparse.BooleanOptionalAction,
+                    default=ShardedMuonBatch.peer_copies,
+                    help="the exchanges as copies into the peers' symmetric buffers (muon/peer_copies.py)")  # fmt: skip
 
 
 def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
@@ -457,6 +460,7 @@ def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
     ShardedMuonGroupPlan.pair_stages = args.muon_pair_stages
     ShardedMuonGroupPlan.coalesce = args.muon_coalesce
     ShardedMuonBatch.owner_kernels = args.muon_owner_kernels
+    ShardedMuonBatch.peer_copies = args.muon_peer_copies
 
 
 def model_config_of(args) -> ModelConfig:

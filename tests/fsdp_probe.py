@@ -130,12 +130,26 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     """4 Muon steps at ``world`` ranks (an owner rank per matrix) against one process: params and
     momentum buffers within ``tol`` (normwise relative; 0: bitwise), and the largest update of the
     last step (telemetry, the ranks' maximum) within 1e-6 of one process's. ``plan_options``: the
-    ``ShardedMuonGroupPlan`` switches turned on (``pair_stages``, ``coalesce``). ``hsdp``: 2
+    switches turned on (``set_muon_plan_options``). ``hsdp``: 2
     replicas of world / 2 shards (the all-to-alls run in each replica's shard group)."""
     set_muon_plan_options(plan_options)
-    opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device, hsdp)
-    if "coalesce_on_gloo" in plan_options:  # two stages, two ways, four steps
-        assert STAND_IN_GROUPS[0] >= 2 * 2 * 4, STAND_IN_GROUPS
+    all_to_alls = []
+    real = dist.all_to_all_single
+    dist.all_to_all_single = lambda *args, **kwargs: all_to_alls.append(1) or real(*args, **kwargs)
+    try:
+        opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device, hsdp)
+    finally:
+        dist.all_to_all_single = real
+    files = "peer_copies_on_files" in plan_options
+    peers = files or "peer_copies" in plan_options
+    if "coalesce_on_gloo" in plan_options:  # two stages, two ways, four steps; none with the peer copies
+        assert STAND_IN_GROUPS[0] == 0 if peers else STAND_IN_GROUPS[0] >= 2 * 2 * 4, STAND_IN_GROUPS
+    assert not (peers and all_to_alls), f"{len(all_to_alls)} all-to-alls beside the peer copies"
+    if files:  # a flag to each peer of the shard group per stage, way and step
+        from peer_pool_stand_in import POOLS
+
+        shards = world // 2 if hsdp else world
+        assert POOLS[0] > 0 and POOLS[1] == (shards - 1) * 2 * 2 * 4, POOLS
     # a tensor on this rank's GPU under NCCL (it reduces no CPU tensor), on the CPU under Gloo
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     amax = torch.tensor(float(opt.telemetry.summary()["amax_update"]), device=on)
@@ -146,7 +160,9 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
 
 def set_muon_plan_options(names: tuple[str, ...]) -> None:
     """Turn on ``ShardedMuonGroupPlan``'s switches ``names`` (and ``ShardedMuonBatch``'s
-    ``owner_kernels``) in this rank's process, the others off.
+    ``owner_kernels`` and ``peer_copies``) in this rank's process, the others off.
+    ``peer_copies_on_files``: ``peer_copies`` on CPU ranks, the pools shared files
+    (``peer_pool_stand_in.FilePool``).
     ``coalesce_on_gloo``: ``coalesce`` with Gloo's batches taken for NCCL ones and a stand-in for
     the coalescing manager, which Gloo lacks (``_coalesce_stand_in``), so that the grouped path's
     order of calls and its shared work run on the CPU."""
@@ -155,6 +171,11 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
     for name in ("pair_stages", "coalesce"):
         setattr(muon_dist.ShardedMuonGroupPlan, name, name in names)
     muon_dist.ShardedMuonBatch.owner_kernels = "owner_kernels" in names
+    muon_dist.ShardedMuonBatch.peer_copies = "peer_copies" in names or "peer_copies_on_files" in names
+    if "peer_copies_on_files" in names:
+        from peer_pool_stand_in import FilePool
+
+        muon_dist.peer_copy.POOL = FilePool
     if "coalesce_on_gloo" in names:
         muon_dist.ShardedMuonGroupPlan.coalesce = True
         init = muon_dist.ShardedMuonBatch.__init__

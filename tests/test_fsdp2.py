@@ -78,6 +78,16 @@ def test_muon_under_hsdp_with_grouped_all_to_alls_equals_the_one_process_step():
     run_ranks(4, muon_equal_to_one_process, "torch", 0.0, "cpu", ("coalesce_on_gloo",), True)
 
 
+@pytest.mark.parametrize(("world", "options", "hsdp"), [(2, (), False), (4, ("pair_stages",), False), (4, (), True),
+                                                        (2, ("coalesce_on_gloo",), False)])  # fmt: skip
+def test_muon_exchanging_by_peer_copies_equals_the_one_process_step(world, options, hsdp):
+    """The exchanges as copies into the peers' buffers and flags (``peer_copies``; the pools shared
+    files, ``peer_pool_stand_in``): no all-to-all, every flag raised once per stage, way and step,
+    and bitwise the one-process step, at 2 and 4 ranks, in HSDP's shard groups, and with the NCCL
+    batches' grouping switched on beside them."""
+    run_ranks(world, muon_equal_to_one_process, "torch", 0.0, "cpu", ("peer_copies_on_files", *options), hsdp)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_muon_keeps_a_ranks_own_pieces_out_of_its_all_to_alls(world):
     run_ranks(world, muon_all_to_alls_skip_this_rank)

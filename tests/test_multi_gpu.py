@@ -62,16 +62,16 @@ def test_distributed_adamw_gathers_go_out_in_the_order_the_forward_asks_for_them
 
 
 # NS stages cut in runs or in pairs of batches; a stage's all-to-alls one by one or as one NCCL group;
-# the owner's gather and norm by the kernels
+# the owner's gather and norm by the kernels; the exchanges as copies into the peers' symmetric buffers
 @pytest.mark.parametrize("options", [(), ("pair_stages",), ("coalesce",), ("pair_stages", "coalesce"),
-                                     ("coalesce", "owner_kernels")])  # fmt: skip
+                                     ("coalesce", "owner_kernels"), ("owner_kernels", "peer_copies")])  # fmt: skip
 @pytest.mark.parametrize("world", WORLDS)
 def test_muon_under_fsdp2_is_within_one_bf16_ns_of_the_one_process_step(world, options):
     nccl(world, muon_equal_to_one_process, "auto", MUON_TOL, "cuda", options)
 
 
 @pytest.mark.skipif(GPUS < 4, reason="HSDP here: 2 replicas of 2 shards, a GPU each")
-@pytest.mark.parametrize("options", [(), ("coalesce",)])
+@pytest.mark.parametrize("options", [(), ("coalesce",), ("owner_kernels", "peer_copies")])
 def test_muon_under_hsdp_is_within_one_bf16_ns_of_the_one_process_step(options):
     """The all-to-alls (one by one, or grouped by NCCL) run in each replica's shard group."""
     nccl(4, muon_equal_to_one_process, "auto", MUON_TOL, "cuda", options, True)

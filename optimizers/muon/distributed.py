@@ -40,6 +40,7 @@ from kernel_factory.generator import backend_mode
 from ..shared.buckets import kernel_path
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local, local_part, row_shard_group
+from . import peer_copies as peer_copy
 from .newton_schulz import iterate, ns_on_triton
 from .owner_pieces import OwnerPieces
 from .plan import JointNS, MuonHyper, adjusted_lr, init_momentum_buffer, on_device
@@ -71,6 +72,10 @@ class ShardedMuonBatch:
     benchmarks/results/bench_dist/muon_owner_kernels_w2.md)."""
 
     owner_kernels = True
+    # ``peer_copies = True`` (on the class; off until timed on GPUs): the exchanges as copies into
+    # the peers' symmetric buffers and flags (``peer_copies.py``) instead of NCCL's all-to-alls;
+    # the shard group must be one host's GPUs (CUDA), or ``peer_copies.POOL``'s stand-in
+    peer_copies = False
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
         self.params, self.bufs = params, bufs
@@ -93,16 +98,34 @@ class ShardedMuonBatch:
         here, owned = heres[self.rank], len(self.owned)
         owners = [r for r in range(W) if r != self.rank] + [self.rank]  # this rank's own pieces last
         self.order = [j for r in owners for j in range(r, len(params), W)]  # pieces, owner by owner
-        self._send, self._back = (torch.zeros((len(params), here, C), **bf16) for _ in range(2))
+        # elements to owner r and from rank s through the exchanges (none to or from this rank)
+        sizes, sent_at, got_at = peer_copy.piece_offsets(W, len(params), heres, C)
+        self._to_owner = sizes[self.rank]
+        self._from_rank = [sizes[s][self.rank] for s in range(W)]
+        starts = got_at[self.rank]
+        self._send = torch.zeros((len(params), here, C), **bf16)
+        self._reply = torch.zeros(sum(self._from_rank), **bf16)  # flat: split by element
+        self._peer_copies: tuple | None = None  # (pool, copies to the owners, copies back), where taken
+        if self.peer_copies and W > 1:
+            # every rank's receive buffer, then its return buffer, at the same offsets in each pool
+            got_max = max(sum(sizes[s][r] for s in range(W)) for r in range(W))
+            pool = peer_copy.POOL(got_max + len(params) * P * C, self.device, self.group)
+            self._got = pool.local[: sum(self._from_rank)]
+            self._back = pool.local[got_max : got_max + len(params) * here * C].view(len(params), here, C)
+        else:
+            self._got = torch.zeros(sum(self._from_rank), **bf16)
+            self._back = torch.zeros((len(params), here, C), **bf16)
         away = len(params) - owned  # the pieces of other owners' matrices: _send[:away], _back[:away]
         self._away = (self._send[:away].view(-1), self._back[:away].view(-1))
-        # elements to owner r and from rank s through the all-to-alls (none to or from this rank)
-        self._to_owner = [0 if r == self.rank else len(range(r, len(params), W)) * here * C for r in range(W)]
-        self._from_rank = [0 if s == self.rank else owned * heres[s] * C for s in range(W)]
-        self._got, self._reply = (torch.zeros(sum(self._from_rank), **bf16) for _ in range(2))  # flat: split by element
+        if self.peer_copies and W > 1:
+            remote = {r: pool.remote(r) for r in range(W) if r != self.rank}
+            out = [(remote[r][got_at[r][self.rank] :][:n], self._away[0][sent_at[self.rank][r] :][:n])
+                   for r, n in enumerate(sizes[self.rank]) if n]  # fmt: skip
+            back = [(remote[s][got_max + sent_at[s][self.rank] :][:n], self._reply[starts[s] :][:n])
+                    for s, n in enumerate(self._from_rank) if n]  # fmt: skip
+            self._peer_copies = (pool, out, back)
         # rank s's pieces of the owned matrices, and the rows of x (tall: columns) they fill
         self._spans = [(s, s * P, s * P + heres[s]) for s in range(W) if heres[s]]
-        starts = [sum(self._from_rank[:s]) for s in range(W)]
 
         def parts(flat: Tensor, own: Tensor) -> dict[int, Tensor]:  # rank s's part of a received or sent buffer
             got = {s: flat[starts[s] : starts[s] + self._from_rank[s]] for s, _, _ in self._spans}
@@ -148,8 +171,13 @@ class ShardedMuonBatch:
             self.to_owners()
 
     def to_owners(self) -> None:
-        """The all-to-all of NS's input to the owners, left running (none on one rank)."""
+        """The all-to-all of NS's input to the owners, left running (none on one rank); with
+        ``peer_copies`` only the copies into the owners' buffers (the plan raises the flags)."""
         if self.world == 1:
+            return
+        if self._peer_copies is not None:
+            for dst, src in self._peer_copies[1]:
+                dst.copy_(src)
             return
         self._work = dist.all_to_all_single(self._got, self._away[0], output_split_sizes=self._from_rank,
                                             input_split_sizes=self._to_owner, group=self.group,
@@ -202,8 +230,12 @@ class ShardedMuonBatch:
 
     def to_ranks(self) -> None:
         """The all-to-all of O's rows back to the ranks that hold them, left running (none on one
-        rank)."""
+        rank); with ``peer_copies`` only the copies into the ranks' buffers."""
         if self.world == 1:
+            return
+        if self._peer_copies is not None:
+            for dst, src in self._peer_copies[2]:
+                dst.copy_(src)
             return
         self._work = dist.all_to_all_single(self._away[1], self._reply, output_split_sizes=self._to_owner,
                                             input_split_sizes=self._from_rank, group=self.group,
@@ -367,8 +399,9 @@ class ShardedMuonGroupPlan:
         the caller may issue other work (the AdamW groups' steps) before ``start`` waits for the
         first stage's."""
         h = self._hyper = MuonHyper(group)
-        for stage, _ in self.staged:  # every all-to-all to the owners starts now, in the same order on every rank
-            self._exchange(stage, lambda b, exchange: b.send(h, exchange), ShardedMuonBatch.to_owners)
+        # every exchange to the owners starts now, in the same order on every rank
+        for k, (stage, _) in enumerate(self.staged):
+            self._exchange(stage, lambda b, exchange: b.send(h, exchange), ShardedMuonBatch.to_owners, 2 * k)
 
     def start(self) -> None:
         """The stages' NS up to the last stage's replies, which are left moving: the caller may
@@ -377,7 +410,7 @@ class ShardedMuonGroupPlan:
         stages) or under the caller's work and ``finish`` (the last)."""
         h = self._hyper
         self._pending = []
-        for stage, runs in self.staged:
+        for k, (stage, runs) in enumerate(self.staged):
             for batch in stage:
                 with on_device(batch.device):
                     batch.receive(h)
@@ -391,7 +424,7 @@ class ShardedMuonGroupPlan:
                         orthos[id(batch)] = batch.orthogonalize(h)
             # the replies move while the next stage's NS runs
             self._exchange(stage, lambda b, exchange, o=orthos: b.reply(h, o[id(b)], exchange),
-                           ShardedMuonBatch.to_ranks)  # fmt: skip
+                           ShardedMuonBatch.to_ranks, 2 * k + 1)  # fmt: skip
             self._apply(self._pending)
             self._pending = stage
 
@@ -400,18 +433,31 @@ class ShardedMuonGroupPlan:
         self._apply(self._pending)
         self._pending = []
 
-    def _exchange(self, stage: list, prepare, exchange) -> None:
+    def _exchange(self, stage: list, prepare, exchange, channel: int) -> None:
         """``prepare(batch, exchange)`` for each batch of a stage in order, each issuing its own
         all-to-all; with ``coalesce``, the NCCL batches' (``ShardedMuonBatch.nccl``) are issued
         after the stage's last ``prepare`` as one NCCL group per process group (one launch, one
-        work: ``torch.distributed``'s coalescing manager), the others' as before."""
+        work: ``torch.distributed``'s coalescing manager), the others' as before. Batches with
+        ``peer_copies``: their copies together, then one flag each way per peer on ``channel``
+        (one per stage and way, so that no flag is raised twice before it is seen)."""
         together: dict[tuple, list[ShardedMuonBatch]] = {}
+        copied: dict[tuple, list[ShardedMuonBatch]] = {}
         for batch in stage:
-            joined = self.coalesce and isinstance(batch, ShardedMuonBatch) and batch.nccl and batch.world > 1
+            peers = isinstance(batch, ShardedMuonBatch) and batch._peer_copies is not None
+            joined = not peers and self.coalesce and isinstance(batch, ShardedMuonBatch) and batch.nccl \
+                and batch.world > 1  # fmt: skip
             with on_device(batch.device):
-                prepare(batch, not joined)
-            if joined:
-                together.setdefault((batch.group, batch.device), []).append(batch)
+                prepare(batch, not (joined or peers))
+            if joined or peers:
+                (copied if peers else together).setdefault((batch.group, batch.device), []).append(batch)
+        for (_, device), batches in copied.items():
+            first = batches[0]
+            others = [r for r in range(first.world) if r != first.rank]
+            with on_device(device):
+                arrival = _PEER_STREAMS.exchange(first._peer_copies[0], others, channel,
+                                                 lambda bs=batches: [exchange(b) for b in bs], device)  # fmt: skip
+            for batch in batches:  # each waits for the stage's copies and flags (``receive``, ``apply``)
+                batch._work = arrival
         for (group, device), batches in together.items():
             with on_device(device), _coalescing_manager(group, device, async_ops=True) as works:
                 for batch in batches:
@@ -429,6 +475,9 @@ class ShardedMuonGroupPlan:
             return torch.zeros(())
         device = self.batches[0].device
         return torch.stack([b.update_amax().to(device) for b in self.batches]).max()
+
+
+_PEER_STREAMS = peer_copy.PeerStreams()  # the side streams of the peer copies, per device
 
 
 class OwnerNS(JointNS):

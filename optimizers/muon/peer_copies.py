@@ -1,0 +1,122 @@
+"""Sharded Muon's two exchanges as copies into the peers' buffers, for shard groups on one host.
+
+NCCL's all-to-all moves the pieces with its own kernels: beside an HBM-bound kernel (the momentum
+and AdamW launches the first exchange runs under) it slows to a fraction of its rate, and while it
+runs the owner's NS kernels wait for the SMs it holds (``benchmarks/exchange_rates.py``,
+``benchmarks/results/bench_dist/muon_owner_kernels_w2.md``). Here each rank's receive and return
+buffers live in one symmetric allocation (``torch.distributed._symmetric_memory``: every rank's
+allocation mapped on the others), a rank writes its pieces straight into the peers' buffers by
+device-to-device copies (memcpy, run by the copy engines, no SMs), then raises a flag on each peer
+and waits for each peer's flag (the signal pads' ``put_signal`` / ``wait_signal``).
+
+``piece_offsets`` lays the pieces out exactly as the all-to-alls do (``ShardedMuonBatch``): the
+same buffers hold the same elements either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def piece_offsets(world: int, n_params: int, heres: list[int], cols: int) -> tuple[list[list[int]], ...]:
+    """Where each rank's pieces go in a batch of ``n_params`` matrices of ``cols`` columns split
+    by rows over ``world`` ranks (rank s holds ``heres[s]`` rows of each; matrix j belongs to
+    owner j mod world). Returns (sizes, sent_at, got_at), lists of lists of element counts:
+    ``sizes[s][r]`` elements go from rank s to owner r (none to itself); they start at
+    ``sent_at[s][r]`` in s's send buffer of the other owners' pieces (owner by owner in rank
+    order; O's rows come back to the same place) and at ``got_at[r][s]`` in r's receive buffer
+    (rank by rank; r's reply to s is read from there)."""
+    owned = [len(range(r, n_params, world)) for r in range(world)]
+    sizes = [[0 if r == s else owned[r] * heres[s] * cols for r in range(world)] for s in range(world)]
+    sent_at = [list(itertools.accumulate(row, initial=0))[:-1] for row in sizes]
+    got_at = [list(itertools.accumulate((sizes[s][r] for s in range(world)), initial=0))[:-1] for r in range(world)]
+    return sizes, sent_at, got_at
+
+
+class SymmetricPool:
+    """(numel,) bf16 on every rank of ``group`` (a CUDA device each, one host), each rank's mapped
+    on the others: ``local`` (zeros when built), ``remote(peer)`` (a tensor on this device that is
+    the peer's ``local``; a ``copy_`` into it is a memcpy the copy engines run), and flags
+    (``put`` on a peer, ``wait`` for a peer's, by channel; ``wait`` resets the flag it saw).
+    Peers are ranks in ``group``. Built collectively: every rank of the group, in the same order."""
+
+    def __init__(self, numel: int, device: torch.device, group: dist.ProcessGroup) -> None:
+        if device.type != "cuda":
+            raise RuntimeError(f"ShardedMuonBatch.peer_copies needs the shard group's matrices on CUDA devices of "
+                               f"one host, got {device}; leave it off there (the all-to-alls)")  # fmt: skip
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.local = symm_mem.empty(numel, dtype=torch.bfloat16, device=device)
+        # zeroed before any peer can see it: a peer writes as soon as its rendezvous returns
+        self.local.zero_()
+        torch.cuda.current_stream(device).synchronize()
+        self._handle = symm_mem.rendezvous(self.local, group)
+        self._shape = (numel,)
+
+    def remote(self, peer: int) -> Tensor:
+        return self._handle.get_buffer(peer, self._shape, torch.bfloat16)
+
+    def put(self, peer: int, channel: int) -> None:
+        self._handle.put_signal(peer, channel)
+
+    def wait(self, peer: int, channel: int) -> None:
+        self._handle.wait_signal(peer, channel)
+
+
+POOL = SymmetricPool  # what ``ShardedMuonBatch`` builds its pools with (tests put a CPU stand-in here)
+
+
+class Arrival:
+    """A stage's copies, done: ``wait`` makes the current stream wait for this rank's copies (its
+    send buffer may then be written again) and for every peer's flag (their pieces are in)."""
+
+    def __init__(self, copied: torch.cuda.Event, arrived: torch.cuda.Event) -> None:
+        self.copied, self.arrived = copied, arrived
+
+    def wait(self) -> None:
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.copied)
+        stream.wait_event(self.arrived)
+
+
+class PeerStreams:
+    """A device's two side streams for the copies: one issues the copies and the flags they raise,
+    the other waits for the peers' flags (a waiting kernel there holds up nothing but the
+    consumers, which wait for its event)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+    def exchange(self, pool: SymmetricPool, peers: list[int], channel: int, copy,
+                 device: torch.device) -> Arrival | None:  # fmt: skip
+        """``copy()`` (the stage's copies), then a flag on each of ``peers`` and a wait for each
+        one's on ``channel``; on CUDA on the side streams after the current stream's work so far
+        (returns their ``Arrival``), elsewhere at once (returns None)."""
+        if device.type != "cuda":
+            copy()
+            for peer in peers:
+                pool.put(peer, channel)
+            for peer in peers:
+                pool.wait(peer, channel)
+            return None
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        copies, waits = self._streams[device]
+        copies.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copies):
+            copy()
+            copied = torch.cuda.Event()
+            copied.record()
+            for peer in peers:
+                pool.put(peer, channel)
+        waits.wait_stream(copies)
+        with torch.cuda.stream(waits):
+            for peer in peers:
+                pool.wait(peer, channel)
+            arrived = torch.cuda.Event()
+            arrived.record()
+        return Arrival(copied, arrived)
