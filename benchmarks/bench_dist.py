@@ -434,13 +434,16 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
-    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-coalesce``, ``--muon-owner-kernels`` and
-    ``--muon-peer-copies`` (``use_muon_stages`` applies them)."""
+    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-light-last``, ``--muon-coalesce``,
+    ``--muon-owner-kernels`` and ``--muon-peer-copies`` (``use_muon_stages`` applies them)."""
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
     ap.add_argument("--muon-pair-stages", action=argparse.BooleanOptionalAction,
                     default=ShardedMuonGroupPlan.pair_stages,
                     help="cut sharded Muon's stages in pairs of batches (distributed.paired_stages)")  # fmt: skip
+    ap.add_argument("--muon-light-last", action=argparse.BooleanOptionalAction,
+                    default=ShardedMuonGroupPlan.light_last,
+                    help="with --muon-pair-stages: of the fewest-launch cuts, the lightest last stage")  # fmt: skip
     ap.add_argument("--muon-coalesce", action=argparse.BooleanOptionalAction,
                     default=ShardedMuonGroupPlan.coalesce,
                     help="a stage's all-to-alls each way as one NCCL group (ShardedMuonGroupPlan)")  # fmt: skip
@@ -458,6 +461,7 @@ def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--muon-stages must be at least 1")
     ShardedMuonGroupPlan.stages = args.muon_stages
     ShardedMuonGroupPlan.pair_stages = args.muon_pair_stages
+    ShardedMuonGroupPlan.light_last = args.muon_light_last
     ShardedMuonGroupPlan.coalesce = args.muon_coalesce
     ShardedMuonBatch.owner_kernels = args.muon_owner_kernels
     ShardedMuonBatch.peer_copies = args.muon_peer_copies

@@ -168,7 +168,7 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
     order of calls and its shared work run on the CPU."""
     from kernel_factory.optimizers.muon import distributed as muon_dist
 
-    for name in ("pair_stages", "coalesce"):
+    for name in ("pair_stages", "light_last", "coalesce"):
         setattr(muon_dist.ShardedMuonGroupPlan, name, name in names)
     muon_dist.ShardedMuonBatch.owner_kernels = "owner_kernels" in names
     muon_dist.ShardedMuonBatch.peer_copies = "peer_copies" in names or "peer_copies_on_files" in names

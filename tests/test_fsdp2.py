@@ -79,7 +79,8 @@ def test_muon_under_hsdp_with_grouped_all_to_alls_equals_the_one_process_step():
 
 
 @pytest.mark.parametrize(("world", "options", "hsdp"), [(2, (), False), (4, ("pair_stages",), False), (4, (), True),
-                                                        (2, ("coalesce_on_gloo",), False)])  # fmt: skip
+                                                        (2, ("coalesce_on_gloo",), False),
+                                                        (2, ("pair_stages", "light_last"), False)])  # fmt: skip
 def test_muon_exchanging_by_peer_copies_equals_the_one_process_step(world, options, hsdp):
     """The exchanges as copies into the peers' buffers and flags (``peer_copies``; the pools shared
     files, ``peer_pool_stand_in``): no all-to-all, every flag raised once per stage, way and step,

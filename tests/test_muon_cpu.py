@@ -263,6 +263,10 @@ def test_paired_stages_give_every_launch_two_batches_where_they_can():
     # and of the three cuts in pairs the most even is 25.4 : 29.7
     qo, kv, up, down = batch(24, 768, 768), batch(24, 192, 768), batch(24, 768, 2048), batch(12, 768, 2048)
     assert paired_stages([qo, kv, up, down], 2) == [[qo, down], [kv, up]]
+    # the lightest last stage of the three (15.2, beside 29.7 and 43.5): the replies left exposed
+    assert paired_stages([qo, kv, up, down], 2, light_last=True) == [[qo, up], [kv, down]]
+    # in three: 3 launches however cut; the last stage starts after k/v, so down (14.5) at best
+    assert paired_stages([qo, kv, up, down], 3, light_last=True) == [[qo, kv], [up], [down]]
     assert paired_stages([qo, kv, up, down], 1) == [[qo, kv, up, down]]
     assert paired_stages([qo, kv, up, down], 3) == [[qo, kv], [up], [down]]  # 3 launches, 29.0 at most, however cut
     assert paired_stages([qo, up, down], 2) == [[qo, down], [up]]  # 25.4 : 29.0, beside 39.9 or 43.5

@@ -360,6 +360,7 @@ class ShardedMuonGroupPlan:
     owner_scheme = True
     stages = 2
     pair_stages = False
+    light_last = False  # with pair_stages: of the cuts with the fewest launches, the lightest last stage
     coalesce = True
 
     def __init__(self, key: tuple, params: list[DTensor], state: dict) -> None:
@@ -379,7 +380,8 @@ class ShardedMuonGroupPlan:
                         else GatheredMuonBatch(ps, [state[p]["momentum_buffer"] for p in ps])
                         for key, ps in batches.items()]  # fmt: skip
         self.staged = []  # (batches, their OwnerNS runs) per stage
-        stages = (paired_stages if self.pair_stages else split_in_stages)(self.batches, self.stages)
+        stages = (paired_stages(self.batches, self.stages, self.light_last) if self.pair_stages
+                  else split_in_stages(self.batches, self.stages))  # fmt: skip
         self.batches = [b for stage in stages for b in stage]  # sent in stage order: the first stage's first
         for stage in stages:
             joint: dict[torch.device, list] = {}
@@ -526,9 +528,10 @@ def _ns_work(batch) -> int:
     return len(batch.params) * batch.x.shape[-2] ** 2 * batch.x.shape[-1]
 
 
-def paired_stages(batches: list, stages: int) -> list[list]:
+def paired_stages(batches: list, stages: int, light_last: bool = False) -> list[list]:
     """``batches`` cut into at most ``stages`` non-empty stages with the fewest NS launches, then
-    the least work in the largest stage. Each of NS's products runs a stage's batches two a launch
+    the least work in the largest stage (``light_last``: the least in the last stage, whose
+    replies no later NS hides, then in the largest). Each of NS's products runs a stage's batches two a launch
     (``newton_schulz_launch._hopper_pairs``), so a stage of k batches takes ceil(k / 2) launches a
     product, and a batch left alone pays a launch's latency however small it is (on a 123M model's
     owner the 12 k and v matrices of 192 x 768 took 21 us of launches an iteration, for about 1%
@@ -543,7 +546,8 @@ def paired_stages(batches: list, stages: int) -> list[list]:
 
     def cost(labels: tuple[int, ...]) -> tuple:
         members = [[i for i, s in enumerate(labels) if s == k] for k in range(count)]
-        return sum(-(-len(m) // 2) for m in members), max(sum(work[i] for i in m) for m in members), labels
+        loads = [sum(work[i] for i in m) for m in members]
+        return sum(-(-len(m) // 2) for m in members), loads[-1] if light_last else 0, max(loads), labels
 
     best = min(_stage_labels(len(batches), count), key=cost)
     return [[b for b, s in zip(batches, best, strict=True) if s == k] for k in range(count)]
