@@ -54,7 +54,7 @@ class SymmetricPool:
         # zeroed before any peer can see it: a peer writes as soon as its rendezvous returns
         self.local.zero_()
         torch.cuda.current_stream(device).synchronize()
-        self._handle = symm_mem.rendezvous(self.local, group)
+        self._handle = symm_mem.rendezvous(self.local, group.group_name)
         self._shape = (numel,)
 
     def remote(self, peer: int) -> Tensor:
