@@ -141,7 +141,8 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     finally:
         dist.all_to_all_single = real
     files = "peer_copies_on_files" in plan_options
-    peers = files or "peer_copies" in plan_options
+    auto = "peer_copies_auto" in plan_options and dist.get_backend() == "nccl"  # one host here
+    peers = files or auto or "peer_copies" in plan_options
     if "coalesce_on_gloo" in plan_options:  # two stages, two ways, four steps; none with the peer copies
         assert STAND_IN_GROUPS[0] == 0 if peers else STAND_IN_GROUPS[0] >= 2 * 2 * 4, STAND_IN_GROUPS
     assert not (peers and all_to_alls), f"{len(all_to_alls)} all-to-alls beside the peer copies"
@@ -162,7 +163,7 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
     """Turn on ``ShardedMuonGroupPlan``'s switches ``names`` (and ``ShardedMuonBatch``'s
     ``owner_kernels`` and ``peer_copies``) in this rank's process, the others off.
     ``peer_copies_on_files``: ``peer_copies`` on CPU ranks, the pools shared files
-    (``peer_pool_stand_in.FilePool``).
+    (``peer_pool_stand_in.FilePool``); ``peer_copies_auto``: ``peer_copies = "auto"``.
     ``coalesce_on_gloo``: ``coalesce`` with Gloo's batches taken for NCCL ones and a stand-in for
     the coalescing manager, which Gloo lacks (``_coalesce_stand_in``), so that the grouped path's
     order of calls and its shared work run on the CPU."""
@@ -172,6 +173,8 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
         setattr(muon_dist.ShardedMuonGroupPlan, name, name in names)
     muon_dist.ShardedMuonBatch.owner_kernels = "owner_kernels" in names
     muon_dist.ShardedMuonBatch.peer_copies = "peer_copies" in names or "peer_copies_on_files" in names
+    if "peer_copies_auto" in names:
+        muon_dist.ShardedMuonBatch.peer_copies = "auto"
     if "peer_copies_on_files" in names:
         from peer_pool_stand_in import FilePool
 
@@ -247,6 +250,47 @@ def muon_all_to_alls_skip_this_rank(rank: int, world: int) -> None:
     for sent, got, numel in calls:
         assert sent[rank] == 0 and got[rank] == 0 and sum(sent) == numel, (rank, sent, got)
     assert sum(numel for _, _, numel in calls) > 0
+
+
+def peer_copies_switch_checks(rank: int, world: int) -> None:
+    """``peer_copies``' switch: ``on_one_host`` says True for ranks on this machine and False where
+    the host names differ (a stand-in name per rank, a fresh group); ``"auto"`` takes the
+    all-to-alls on Gloo (it asks for NCCL on one host); a value other than True, False or "auto"
+    is a ValueError that names the switch."""
+    from kernel_factory.optimizers.muon import distributed as muon_dist
+    from kernel_factory.optimizers.muon import peer_copies
+
+    os.environ["KERNEL_FACTORY_BACKEND"] = "torch"
+    assert peer_copies.on_one_host(dist.group.WORLD)
+    apart = dist.new_group(list(range(world)))
+    real = peer_copies.socket.gethostname
+    peer_copies.socket.gethostname = lambda: f"host{rank}"
+    try:
+        assert not peer_copies.on_one_host(apart)
+    finally:
+        peer_copies.socket.gethostname = real
+    set_muon_plan_options(())
+    muon_dist.ShardedMuonBatch.peer_copies = "auto"
+    model, opt = sharded(world, SHARDED_MUON)
+    calls = []
+    real_all_to_all = dist.all_to_all_single
+    dist.all_to_all_single = lambda *args, **kwargs: calls.append(1) or real_all_to_all(*args, **kwargs)
+    try:
+        fsdp_step(model, opt, 0, rank, world)
+    finally:
+        dist.all_to_all_single = real_all_to_all
+    batches = [b for plan in opt._plans.values() for b in getattr(plan, "batches", [])]
+    assert calls and batches and all(b._peer_copies is None for b in batches), (len(calls), len(batches))
+    muon_dist.ShardedMuonBatch.peer_copies = "yes"
+    model, opt = sharded(world, SHARDED_MUON)
+    try:
+        fsdp_step(model, opt, 0, rank, world)
+    except ValueError as e:
+        assert "ShardedMuonBatch.peer_copies must be True, False or 'auto'" in str(e), e
+    else:
+        raise AssertionError("peer_copies='yes' was taken")
+    finally:
+        muon_dist.ShardedMuonBatch.peer_copies = False
 
 
 def muon_kernels_equal_to_one_process(rank: int, world: int, tol: float, device: str = "cpu",

@@ -33,6 +33,7 @@ from fsdp_probe import (
     muon_all_to_alls_skip_this_rank,
     muon_equal_to_one_process,
     muon_kernels_equal_to_one_process,
+    peer_copies_switch_checks,
     save_checkpoint,
     sharded,
     targets,
@@ -87,6 +88,10 @@ def test_muon_exchanging_by_peer_copies_equals_the_one_process_step(world, optio
     and bitwise the one-process step, at 2 and 4 ranks, in HSDP's shard groups, and with the NCCL
     batches' grouping switched on beside them."""
     run_ranks(world, muon_equal_to_one_process, "torch", 0.0, "cpu", ("peer_copies_on_files", *options), hsdp)
+
+
+def test_peer_copies_auto_asks_for_one_host_and_nccl_and_bad_values_are_named():
+    run_ranks(2, peer_copies_switch_checks)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -74,8 +74,9 @@ class ShardedMuonBatch:
     owner_kernels = True
     # ``peer_copies = True`` (on the class; off until timed on GPUs): the exchanges as copies into
     # the peers' symmetric buffers and flags (``peer_copies.py``) instead of NCCL's all-to-alls;
-    # the shard group must be one host's GPUs (CUDA), or ``peer_copies.POOL``'s stand-in
-    peer_copies = False
+    # the shard group must be one host's GPUs (CUDA), or ``peer_copies.POOL``'s stand-in.
+    # ``"auto"``: where the shard group is NCCL's on one host (``peer_copies.on_one_host``)
+    peer_copies: bool | str = False
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
         self.params, self.bufs = params, bufs
@@ -106,7 +107,11 @@ class ShardedMuonBatch:
         self._send = torch.zeros((len(params), here, C), **bf16)
         self._reply = torch.zeros(sum(self._from_rank), **bf16)  # flat: split by element
         self._peer_copies: tuple | None = None  # (pool, copies to the owners, copies back), where taken
-        if self.peer_copies and W > 1:
+        if self.peer_copies not in (True, False, "auto"):
+            raise ValueError(f"ShardedMuonBatch.peer_copies must be True, False or 'auto', got {self.peer_copies!r}")
+        copies = W > 1 and (self.peer_copies is True or (self.peer_copies == "auto" and self.nccl
+                                                         and peer_copy.on_one_host(self.group)))  # fmt: skip
+        if copies:
             # every rank's receive buffer, then its return buffer, at the same offsets in each pool
             got_max = max(sum(sizes[s][r] for s in range(W)) for r in range(W))
             pool = peer_copy.POOL(got_max + len(params) * P * C, self.device, self.group)
@@ -117,7 +122,7 @@ class ShardedMuonBatch:
             self._back = torch.zeros((len(params), here, C), **bf16)
         away = len(params) - owned  # the pieces of other owners' matrices: _send[:away], _back[:away]
         self._away = (self._send[:away].view(-1), self._back[:away].view(-1))
-        if self.peer_copies and W > 1:
+        if copies:
             remote = {r: pool.remote(r) for r in range(W) if r != self.rank}
             out = [(remote[r][got_at[r][self.rank] :][:n], self._away[0][sent_at[self.rank][r] :][:n])
                    for r, n in enumerate(sizes[self.rank]) if n]  # fmt: skip

@@ -16,6 +16,7 @@ same buffers hold the same elements either way.
 from __future__ import annotations
 
 import itertools
+import socket
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,19 @@ class SymmetricPool:
 
 
 POOL = SymmetricPool  # what ``ShardedMuonBatch`` builds its pools with (tests put a CPU stand-in here)
+
+_ONE_HOST: dict[str, bool] = {}  # by group name: its answer, asked once
+
+
+def on_one_host(group: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` runs on this host (their host names, gathered once per group;
+    collective the first time: every rank of the group asks, in the same order)."""
+    name = group.group_name
+    if name not in _ONE_HOST:
+        hosts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        _ONE_HOST[name] = len(set(hosts)) == 1
+    return _ONE_HOST[name]
 
 
 class Arrival:
