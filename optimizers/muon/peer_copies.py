@@ -38,6 +38,11 @@ def piece_offsets(world: int, n_params: int, heres: list[int], cols: int) -> tup
     return sizes, sent_at, got_at
 
 
+# A flag not seen in this long ends the process (the signal kernels trap) rather than hanging it;
+# long enough for a peer's first step, which may compile its kernels before it copies
+SIGNAL_TIMEOUT_MS = 300_000
+
+
 class SymmetricPool:
     """(numel,) bf16 on every rank of ``group`` (a CUDA device each, one host), each rank's mapped
     on the others: ``local`` (zeros when built), ``remote(peer)`` (a tensor on this device that is
@@ -62,10 +67,10 @@ class SymmetricPool:
         return self._handle.get_buffer(peer, self._shape, torch.bfloat16)
 
     def put(self, peer: int, channel: int) -> None:
-        self._handle.put_signal(peer, channel)
+        self._handle.put_signal(peer, channel, SIGNAL_TIMEOUT_MS)
 
     def wait(self, peer: int, channel: int) -> None:
-        self._handle.wait_signal(peer, channel)
+        self._handle.wait_signal(peer, channel, SIGNAL_TIMEOUT_MS)
 
 
 POOL = SymmetricPool  # what ``ShardedMuonBatch`` builds its pools with (tests put a CPU stand-in here)
