@@ -433,38 +433,35 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq", type=int, default=512)
 
 
+# sharded Muon's on/off switches: (flag after --muon-, the class that holds it, help); the
+# attribute is the flag with underscores
+MUON_SWITCHES = (
+    ("pair-stages", ShardedMuonGroupPlan, "cut sharded Muon's stages in pairs of batches (distributed.paired_stages)"),
+    ("light-last", ShardedMuonGroupPlan, "with --muon-pair-stages: of the fewest-launch cuts, the lightest last stage"),
+    ("coalesce", ShardedMuonGroupPlan, "a stage's all-to-alls each way as one NCCL group (ShardedMuonGroupPlan)"),
+    ("owner-kernels", ShardedMuonBatch, "the owner's pieces and norms by the kernels (muon/owner_pieces.py)"),
+    ("peer-copies", ShardedMuonBatch, "the exchanges as copies into the peers' symmetric buffers (peer_copies.py)"),
+)
+
+
 def add_muon_stages_arg(ap: argparse.ArgumentParser) -> None:
-    """``--muon-stages``, ``--muon-pair-stages``, ``--muon-light-last``, ``--muon-coalesce``,
-    ``--muon-owner-kernels`` and ``--muon-peer-copies`` (``use_muon_stages`` applies them)."""
+    """``--muon-stages`` and the ``MUON_SWITCHES`` as ``--muon-<flag>`` / ``--no-muon-<flag>``
+    (``use_muon_stages`` applies them)."""
     ap.add_argument("--muon-stages", type=int, default=ShardedMuonGroupPlan.stages,
                     help="sharded Muon's NS runs whose all-to-alls overlap each other's NS (1: none)")  # fmt: skip
-    ap.add_argument("--muon-pair-stages", action=argparse.BooleanOptionalAction,
-                    default=ShardedMuonGroupPlan.pair_stages,
-                    help="cut sharded Muon's stages in pairs of batches (distributed.paired_stages)")  # fmt: skip
-    ap.add_argument("--muon-light-last", action=argparse.BooleanOptionalAction,
-                    default=ShardedMuonGroupPlan.light_last,
-                    help="with --muon-pair-stages: of the fewest-launch cuts, the lightest last stage")  # fmt: skip
-    ap.add_argument("--muon-coalesce", action=argparse.BooleanOptionalAction,
-                    default=ShardedMuonGroupPlan.coalesce,
-                    help="a stage's all-to-alls each way as one NCCL group (ShardedMuonGroupPlan)")  # fmt: skip
-    ap.add_argument("--muon-owner-kernels", action=argparse.BooleanOptionalAction,
-                    default=ShardedMuonBatch.owner_kernels,
-                    help="the owner's pieces and norms by the kernels (muon/owner_pieces.py)")  # fmt: skip
-    ap.add_argument("--muon-peer-copies", action=argparse.BooleanOptionalAction,
-                    default=ShardedMuonBatch.peer_copies,
-                    help="the exchanges as copies into the peers' symmetric buffers (muon/peer_copies.py)")  # fmt: skip
+    for flag, owner, text in MUON_SWITCHES:
+        ap.add_argument(f"--muon-{flag}", action=argparse.BooleanOptionalAction,
+                        default=getattr(owner, flag.replace("-", "_")), help=text)  # fmt: skip
 
 
 def use_muon_stages(ap: argparse.ArgumentParser, args) -> None:
-    """Sharded Muon's stages from ``add_muon_stages_arg``'s options."""
+    """Sharded Muon's stages and switches from ``add_muon_stages_arg``'s options."""
     if args.muon_stages < 1:
         ap.error("--muon-stages must be at least 1")
     ShardedMuonGroupPlan.stages = args.muon_stages
-    ShardedMuonGroupPlan.pair_stages = args.muon_pair_stages
-    ShardedMuonGroupPlan.light_last = args.muon_light_last
-    ShardedMuonGroupPlan.coalesce = args.muon_coalesce
-    ShardedMuonBatch.owner_kernels = args.muon_owner_kernels
-    ShardedMuonBatch.peer_copies = args.muon_peer_copies
+    for flag, owner, _ in MUON_SWITCHES:
+        name = flag.replace("-", "_")
+        setattr(owner, name, getattr(args, f"muon_{name}"))
 
 
 def model_config_of(args) -> ModelConfig:

@@ -133,13 +133,8 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     switches turned on (``set_muon_plan_options``). ``hsdp``: 2
     replicas of world / 2 shards (the all-to-alls run in each replica's shard group)."""
     set_muon_plan_options(plan_options)
-    all_to_alls = []
-    real = dist.all_to_all_single
-    dist.all_to_all_single = lambda *args, **kwargs: all_to_alls.append(1) or real(*args, **kwargs)
-    try:
+    with all_to_alls_recorded() as all_to_alls:
         opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device, hsdp)
-    finally:
-        dist.all_to_all_single = real
     files = "peer_copies_on_files" in plan_options
     auto = "peer_copies_auto" in plan_options and dist.get_backend() == "nccl"  # one host here
     peers = files or auto or "peer_copies" in plan_options
@@ -227,6 +222,24 @@ def _coalesce_stand_in(group, device, async_ops: bool):
     assert issued.works, "nothing was issued inside the coalescing manager"
 
 
+@contextlib.contextmanager
+def all_to_alls_recorded():
+    """Inside, every ``dist.all_to_all_single`` call runs and is listed as (input splits, output
+    splits, input elements) in the list yielded."""
+    calls: list[tuple[list[int], list[int], int]] = []
+    real = dist.all_to_all_single
+
+    def recorded(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        calls.append((list(input_split_sizes or []), list(output_split_sizes or []), input.numel()))
+        return real(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    dist.all_to_all_single = recorded
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single = real
+
+
 def muon_all_to_alls_skip_this_rank(rank: int, world: int) -> None:
     """A sharded Muon step's all-to-alls (the torch path on Gloo, one call per batch and way) move
     no element to or from the rank that issues them: a rank's pieces of its own matrices stay on
@@ -234,18 +247,8 @@ def muon_all_to_alls_skip_this_rank(rank: int, world: int) -> None:
     os.environ["KERNEL_FACTORY_BACKEND"] = "torch"
     set_muon_plan_options(())
     model, opt = sharded(world, SHARDED_MUON)
-    calls = []
-    real = dist.all_to_all_single
-
-    def recorded(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
-        calls.append((list(input_split_sizes), list(output_split_sizes), input.numel()))
-        return real(output, input, output_split_sizes, input_split_sizes, **kwargs)
-
-    dist.all_to_all_single = recorded
-    try:
+    with all_to_alls_recorded() as calls:
         fsdp_step(model, opt, 0, rank, world)
-    finally:
-        dist.all_to_all_single = real
     assert calls, "no all-to-all was issued"
     for sent, got, numel in calls:
         assert sent[rank] == 0 and got[rank] == 0 and sum(sent) == numel, (rank, sent, got)
@@ -272,13 +275,8 @@ def peer_copies_switch_checks(rank: int, world: int) -> None:
     set_muon_plan_options(())
     muon_dist.ShardedMuonBatch.peer_copies = "auto"
     model, opt = sharded(world, SHARDED_MUON)
-    calls = []
-    real_all_to_all = dist.all_to_all_single
-    dist.all_to_all_single = lambda *args, **kwargs: calls.append(1) or real_all_to_all(*args, **kwargs)
-    try:
+    with all_to_alls_recorded() as calls:
         fsdp_step(model, opt, 0, rank, world)
-    finally:
-        dist.all_to_all_single = real_all_to_all
     batches = [b for plan in opt._plans.values() for b in getattr(plan, "batches", [])]
     assert calls and batches and all(b._peer_copies is None for b in batches), (len(calls), len(batches))
     muon_dist.ShardedMuonBatch.peer_copies = "yes"

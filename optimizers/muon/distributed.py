@@ -178,15 +178,7 @@ class ShardedMuonBatch:
     def to_owners(self) -> None:
         """The all-to-all of NS's input to the owners, left running (none on one rank); with
         ``peer_copies`` only the copies into the owners' buffers (the plan raises the flags)."""
-        if self.world == 1:
-            return
-        if self._peer_copies is not None:
-            for dst, src in self._peer_copies[1]:
-                dst.copy_(src)
-            return
-        self._work = dist.all_to_all_single(self._got, self._away[0], output_split_sizes=self._from_rank,
-                                            input_split_sizes=self._to_owner, group=self.group,
-                                            async_op=True)  # fmt: skip
+        self._move(1, self._got, self._away[0], self._from_rank, self._to_owner)
 
     def receive(self, h: MuonHyper) -> None:
         """Step 2's end: once the all-to-all is done (on CUDA the stream waits, not the host), the
@@ -236,15 +228,19 @@ class ShardedMuonBatch:
     def to_ranks(self) -> None:
         """The all-to-all of O's rows back to the ranks that hold them, left running (none on one
         rank); with ``peer_copies`` only the copies into the ranks' buffers."""
+        self._move(2, self._away[1], self._reply, self._to_owner, self._from_rank)
+
+    def _move(self, way: int, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        """One exchange: ``inp`` split by ``in_splits`` to the ranks, ``out`` by ``out_splits`` from
+        them (an all-to-all left running), or ``_peer_copies[way]``'s copies."""
         if self.world == 1:
             return
         if self._peer_copies is not None:
-            for dst, src in self._peer_copies[2]:
+            for dst, src in self._peer_copies[way]:
                 dst.copy_(src)
             return
-        self._work = dist.all_to_all_single(self._away[1], self._reply, output_split_sizes=self._to_owner,
-                                            input_split_sizes=self._from_rank, group=self.group,
-                                            async_op=True)  # fmt: skip
+        self._work = dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                            group=self.group, async_op=True)  # fmt: skip
 
     def apply(self, h: MuonHyper) -> None:
         """Step 4's end: once this rank's rows of O are back, weight decay and the update on them."""

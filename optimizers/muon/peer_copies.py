@@ -89,19 +89,6 @@ def on_one_host(group: dist.ProcessGroup) -> bool:
     return _ONE_HOST[name]
 
 
-class Arrival:
-    """A stage's copies, done: ``wait`` makes the current stream wait for this rank's copies (its
-    send buffer may then be written again) and for every peer's flag (their pieces are in)."""
-
-    def __init__(self, copied: torch.cuda.Event, arrived: torch.cuda.Event) -> None:
-        self.copied, self.arrived = copied, arrived
-
-    def wait(self) -> None:
-        stream = torch.cuda.current_stream()
-        stream.wait_event(self.copied)
-        stream.wait_event(self.arrived)
-
-
 class PeerStreams:
     """A device's two side streams for the copies: one issues the copies and the flags they raise,
     the other waits for the peers' flags (a waiting kernel there holds up nothing but the
@@ -111,10 +98,12 @@ class PeerStreams:
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
     def exchange(self, pool: SymmetricPool, peers: list[int], channel: int, copy,
-                 device: torch.device) -> Arrival | None:  # fmt: skip
+                 device: torch.device) -> torch.cuda.Event | None:  # fmt: skip
         """``copy()`` (the stage's copies), then a flag on each of ``peers`` and a wait for each
-        one's on ``channel``; on CUDA on the side streams after the current stream's work so far
-        (returns their ``Arrival``), elsewhere at once (returns None)."""
+        one's on ``channel``; on CUDA on the side streams after the current stream's work so far,
+        returning the event a consumer's stream waits for (``wait()``): the waits follow this
+        rank's copies on their stream, so it covers both the peers' pieces in and this rank's
+        send buffer free again; elsewhere at once (returns None)."""
         if device.type != "cuda":
             copy()
             for peer in peers:
@@ -128,8 +117,6 @@ class PeerStreams:
         copies.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(copies):
             copy()
-            copied = torch.cuda.Event()
-            copied.record()
             for peer in peers:
                 pool.put(peer, channel)
         waits.wait_stream(copies)
@@ -138,4 +125,4 @@ class PeerStreams:
                 pool.wait(peer, channel)
             arrived = torch.cuda.Event()
             arrived.record()
-        return Arrival(copied, arrived)
+        return arrived
