@@ -136,15 +136,17 @@ def muon_equal_to_one_process(rank: int, world: int, backend: str, tol: float, d
     with all_to_alls_recorded() as all_to_alls:
         opt = states_equal_to_one_process(rank, world, SHARDED_MUON, backend, tol, device, hsdp)
     files = "peer_copies_on_files" in plan_options
-    auto = "peer_copies_auto" in plan_options and dist.get_backend() == "nccl"  # one host here
+    shards = world // 2 if hsdp else world
+    # "auto": NCCL shard groups of two ranks (one host here)
+    auto = "peer_copies_auto" in plan_options and dist.get_backend() == "nccl" and shards == 2
     peers = files or auto or "peer_copies" in plan_options
     if "coalesce_on_gloo" in plan_options:  # two stages, two ways, four steps; none with the peer copies
         assert STAND_IN_GROUPS[0] == 0 if peers else STAND_IN_GROUPS[0] >= 2 * 2 * 4, STAND_IN_GROUPS
     assert not (peers and all_to_alls), f"{len(all_to_alls)} all-to-alls beside the peer copies"
+    assert peers or all_to_alls, "neither peer copies nor all-to-alls"
     if files:  # a flag to each peer of the shard group per stage, way and step
         from peer_pool_stand_in import POOLS
 
-        shards = world // 2 if hsdp else world
         assert POOLS[0] > 0 and POOLS[1] == (shards - 1) * 2 * 2 * 4, POOLS
     # a tensor on this rank's GPU under NCCL (it reduces no CPU tensor), on the CPU under Gloo
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"

@@ -112,7 +112,9 @@ class PeerStreams:
                 pool.wait(peer, channel)
             return None
         if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            # high priority: the one-block flag kernels start as soon as an SM frees, instead of
+            # queueing behind every block of an SM-filling update kernel the copies ran beside
+            self._streams[device] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=-1))
         copies, waits = self._streams[device]
         copies.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(copies):
