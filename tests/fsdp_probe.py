@@ -258,22 +258,30 @@ def muon_all_to_alls_skip_this_rank(rank: int, world: int) -> None:
 
 
 def peer_copies_switch_checks(rank: int, world: int) -> None:
-    """``peer_copies``' switch: ``on_one_host`` says True for ranks on this machine and False where
-    the host names differ (a stand-in name per rank, a fresh group); ``"auto"`` takes the
-    all-to-alls on Gloo (it asks for NCCL on one host); a value other than True, False or "auto"
-    is a ValueError that names the switch."""
+    """``peer_copies``' switch: ``direct_peers`` (with CUDA's peer-access answer stood in for) says
+    True for ranks on this machine on devices of their own that reach each other, and False on
+    every rank where the host names differ, where two ranks name one device, or where one rank's
+    device cannot reach another's (each case a fresh group); ``"auto"`` takes the all-to-alls on
+    Gloo (it asks for NCCL); a value other than True, False or "auto" is a ValueError that names
+    the switch."""
     from kernel_factory.optimizers.muon import distributed as muon_dist
     from kernel_factory.optimizers.muon import peer_copies
 
     os.environ["KERNEL_FACTORY_BACKEND"] = "torch"
-    assert peer_copies.on_one_host(dist.group.WORLD)
-    apart = dist.new_group(list(range(world)))
+    asked, access = [], [True]
+    peer_copies.torch.cuda.can_device_access_peer = lambda a, b: asked.append((a, b)) or access[0]
+    own = torch.device("cuda", rank)
+    assert peer_copies.direct_peers(dist.group.WORLD, own)
+    assert sorted(asked) == [(rank, r) for r in range(world) if r != rank], asked
     real = peer_copies.socket.gethostname
     peer_copies.socket.gethostname = lambda: f"host{rank}"
     try:
-        assert not peer_copies.on_one_host(apart)
+        assert not peer_copies.direct_peers(dist.new_group(list(range(world))), own)
     finally:
         peer_copies.socket.gethostname = real
+    assert not peer_copies.direct_peers(dist.new_group(list(range(world))), torch.device("cuda", 0))
+    access[0] = rank != world - 1  # one rank's device reaches none of the others'
+    assert not peer_copies.direct_peers(dist.new_group(list(range(world))), own)
     set_muon_plan_options(())
     muon_dist.ShardedMuonBatch.peer_copies = "auto"
     model, opt = sharded(world, SHARDED_MUON)

@@ -90,7 +90,7 @@ def test_muon_exchanging_by_peer_copies_equals_the_one_process_step(world, optio
     run_ranks(world, muon_equal_to_one_process, "torch", 0.0, "cpu", ("peer_copies_on_files", *options), hsdp)
 
 
-def test_peer_copies_auto_asks_for_one_host_and_nccl_and_bad_values_are_named():
+def test_peer_copies_auto_asks_for_gpus_that_reach_each_other_and_nccl_and_bad_values_are_named():
     run_ranks(2, peer_copies_switch_checks)
 
 

@@ -74,10 +74,11 @@ class ShardedMuonBatch:
     owner_kernels = True
     # ``peer_copies``: the exchanges as copies into the peers' symmetric buffers and flags
     # (``peer_copies.py``) instead of NCCL's all-to-alls. ``"auto"`` (the default): where the shard
-    # group is two ranks of NCCL on one host (``peer_copies.on_one_host``): on two H200s at 123M the
-    # step's GPU time 1.660-1.662 -> 1.481-1.485 ms, at four no faster (1.073 vs 1.067 ms, 44
-    # launches more; benchmarks/results/bench_dist/muon_peer_copies_w2.md). True: at any size (the
-    # shard group must be one host's GPUs, or ``peer_copies.POOL``'s stand-in); False: the all-to-alls
+    # group is two ranks of NCCL whose GPUs reach each other's memory (``peer_copies.direct_peers``):
+    # on two H200s at 123M the step's GPU time 1.660-1.662 -> 1.481-1.485 ms; at four no faster
+    # (1.073 vs 1.067 ms, 44 launches more; benchmarks/results/bench_dist/muon_peer_copies_w2.md).
+    # True: at any size (the shard group must be one host's GPUs, or ``peer_copies.POOL``'s
+    # stand-in); False: the all-to-alls
     peer_copies: bool | str = "auto"
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
@@ -111,8 +112,8 @@ class ShardedMuonBatch:
         self._peer_copies: tuple | None = None  # (pool, copies to the owners, copies back), where taken
         if self.peer_copies not in (True, False, "auto"):
             raise ValueError(f"ShardedMuonBatch.peer_copies must be True, False or 'auto', got {self.peer_copies!r}")
-        copies = W > 1 and (self.peer_copies is True or (self.peer_copies == "auto" and W == 2 and self.nccl
-                                                         and peer_copy.on_one_host(self.group)))  # fmt: skip
+        auto = self.peer_copies == "auto" and W == 2 and self.nccl
+        copies = W > 1 and (self.peer_copies is True or (auto and peer_copy.direct_peers(self.group, self.device)))
         if copies:
             # every rank's receive buffer, then its return buffer, at the same offsets in each pool
             got_max = max(sum(sizes[s][r] for s in range(W)) for r in range(W))

@@ -16,6 +16,7 @@ same buffers hold the same elements either way.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 
 import torch
@@ -56,6 +57,9 @@ class SymmetricPool:
                                f"one host, got {device}; leave it off there (the all-to-alls)")  # fmt: skip
         import torch.distributed._symmetric_memory as symm_mem
 
+        # the pool needs no NVLink multicast object, which rendezvous creates where the GPUs support
+        # it unless this is set (read at the process's first rendezvous): set it unless already chosen
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.local = symm_mem.empty(numel, dtype=torch.bfloat16, device=device)
         # zeroed before any peer can see it: a peer writes as soon as its rendezvous returns
         self.local.zero_()
@@ -75,18 +79,29 @@ class SymmetricPool:
 
 POOL = SymmetricPool  # what ``ShardedMuonBatch`` builds its pools with (tests put a CPU stand-in here)
 
-_ONE_HOST: dict[str, bool] = {}  # by group name: its answer, asked once
+_DIRECT: dict[str, bool] = {}  # by group name: its answer, asked once
 
 
-def on_one_host(group: dist.ProcessGroup) -> bool:
-    """Whether every rank of ``group`` runs on this host (their host names, gathered once per group;
-    collective the first time: every rank of the group asks, in the same order)."""
+def direct_peers(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the pool can map every rank's buffer on every other: all ranks of ``group`` on this
+    host, each on a CUDA device of its own that this process sees (``device`` here), with peer
+    access to the others' (NVLink or PCIe peer-to-peer). Each rank checks its own pairs and all
+    take the answer only if every rank said yes, so that they agree. Collective the first time
+    per group (two ``all_gather_object`` calls: every rank of the group asks, in the same order),
+    cached by the group's name."""
     name = group.group_name
-    if name not in _ONE_HOST:
-        hosts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _ONE_HOST[name] = len(set(hosts)) == 1
-    return _ONE_HOST[name]
+    if name not in _DIRECT:
+        world = dist.get_world_size(group)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        seen: list = [None] * world
+        dist.all_gather_object(seen, (socket.gethostname(), index), group=group)
+        others = [i for _, i in seen if i != index]
+        mine = (len({host for host, _ in seen}) == 1 and len(others) == world - 1
+                and all(torch.cuda.can_device_access_peer(index, i) for i in others))  # fmt: skip
+        answers: list = [None] * world
+        dist.all_gather_object(answers, mine, group=group)
+        _DIRECT[name] = all(answers)
+    return _DIRECT[name]
 
 
 class PeerStreams:
