@@ -58,7 +58,7 @@ class SymmetricPool:
         import torch.distributed._symmetric_memory as symm_mem
 
         # the pool needs no NVLink multicast object, which rendezvous creates where the GPUs support
-        # it unless this is set (read at the process's first rendezvous): set it unless already chosen
+        # it unless this is set (and fails on some GPUs that report it): set it unless already chosen
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.local = symm_mem.empty(numel, dtype=torch.bfloat16, device=device)
         # zeroed before any peer can see it: a peer writes as soon as its rendezvous returns
