@@ -1,11 +1,13 @@
-"""``peer_copies``' layout against the all-to-all it replaces, and its refusal of CPU tensors."""
+"""``peer_copies``' layout against the all-to-all it replaces, its refusal of CPU tensors, and the
+switch's decision (``takes_peer_copies``)."""
 
 import random
 
 import pytest
 import torch
 
-from kernel_factory.optimizers.muon.peer_copies import SymmetricPool, piece_offsets
+from kernel_factory.optimizers.muon import peer_copies
+from kernel_factory.optimizers.muon.peer_copies import SymmetricPool, piece_offsets, takes_peer_copies
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -31,3 +33,31 @@ def test_piece_offsets_put_each_piece_where_the_all_to_all_does(world):
 def test_symmetric_pools_refuse_cpu_tensors_naming_the_switch():
     with pytest.raises(RuntimeError, match="peer_copies needs the shard group's matrices on CUDA"):
         SymmetricPool(8, torch.device("cpu"), None)
+
+
+GPU, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+@pytest.mark.parametrize(("setting", "world", "nccl", "device", "reach", "expected"), [
+    ("auto", 2, True, GPU, True, True), ("auto", 2, True, GPU, False, False),  # GPUs that reach each other
+    ("auto", 4, True, GPU, True, False), ("auto", 2, False, GPU, True, False),  # two NCCL ranks only
+    ("auto", 2, False, CPU, True, False), ("auto", 1, True, GPU, True, False),
+    (True, 4, True, GPU, True, True), (True, 2, False, CPU, False, True),  # CPU: the stand-in's pools
+    (True, 1, True, GPU, True, False), (False, 2, True, GPU, True, False),
+])  # fmt: skip
+def test_the_switch_takes_peer_copies_where_it_should(monkeypatch, setting, world, nccl, device, reach, expected):
+    asked = []
+    monkeypatch.setattr(peer_copies, "direct_peers", lambda group, dev: asked.append(dev) or reach)
+    assert takes_peer_copies(setting, world, nccl, device, None) is expected
+    # the collective question is asked only where the answer hangs on it
+    asks = setting is True or (setting == "auto" and world == 2 and nccl)
+    assert asked == ([device] if device.type == "cuda" and world > 1 and asks else [])
+
+
+def test_forced_peer_copies_between_gpus_that_cannot_reach_each_other_and_bad_values_are_named(monkeypatch):
+    monkeypatch.setattr(peer_copies, "direct_peers", lambda group, dev: False)
+    with pytest.raises(RuntimeError, match="peer_copies = True needs the shard group's GPUs on one host"):
+        takes_peer_copies(True, 2, True, GPU, None)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="ShardedMuonBatch.peer_copies must be True, False or 'auto'"):
+            takes_peer_copies(bad, 1, True, GPU, None)

@@ -77,8 +77,8 @@ class ShardedMuonBatch:
     # group is two ranks of NCCL whose GPUs reach each other's memory (``peer_copies.direct_peers``):
     # on two H200s at 123M the step's GPU time 1.660-1.662 -> 1.481-1.485 ms; at four no faster
     # (1.073 vs 1.067 ms, 44 launches more; benchmarks/results/bench_dist/muon_peer_copies_w2.md).
-    # True: at any size (the shard group must be one host's GPUs, or ``peer_copies.POOL``'s
-    # stand-in); False: the all-to-alls
+    # True: at any size (GPUs that reach each other, else a RuntimeError; on CPU devices
+    # ``peer_copies.POOL``'s stand-in); False: the all-to-alls (``peer_copies.takes_peer_copies``)
     peer_copies: bool | str = "auto"
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
@@ -110,10 +110,7 @@ class ShardedMuonBatch:
         self._send = torch.zeros((len(params), here, C), **bf16)
         self._reply = torch.zeros(sum(self._from_rank), **bf16)  # flat: split by element
         self._peer_copies: tuple | None = None  # (pool, copies to the owners, copies back), where taken
-        if self.peer_copies not in (True, False, "auto"):
-            raise ValueError(f"ShardedMuonBatch.peer_copies must be True, False or 'auto', got {self.peer_copies!r}")
-        auto = self.peer_copies == "auto" and W == 2 and self.nccl
-        copies = W > 1 and (self.peer_copies is True or (auto and peer_copy.direct_peers(self.group, self.device)))
+        copies = peer_copy.takes_peer_copies(self.peer_copies, W, self.nccl, self.device, self.group)
         if copies:
             # every rank's receive buffer, then its return buffer, at the same offsets in each pool
             got_max = max(sum(sizes[s][r] for s in range(W)) for r in range(W))

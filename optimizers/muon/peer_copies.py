@@ -104,6 +104,29 @@ def direct_peers(group: dist.ProcessGroup, device: torch.device) -> bool:
     return _DIRECT[name]
 
 
+def takes_peer_copies(setting: bool | str, world: int, nccl: bool, device: torch.device,
+                      group: dist.ProcessGroup) -> bool:  # fmt: skip
+    """Whether a batch whose shard group is ``group`` (``world`` ranks, ``nccl`` its backend's)
+    exchanges by peer copies, for ``ShardedMuonBatch.peer_copies = setting``: never on one rank;
+    "auto" where the group is two NCCL ranks whose GPUs reach each other (``direct_peers``); True
+    always, where on CUDA devices those must reach each other (a RuntimeError otherwise, rather
+    than a failure inside the pool's rendezvous; on CPU devices only ``POOL``'s stand-in builds).
+    Raises ValueError for a setting other than True, False or "auto". Collective where it asks
+    ``direct_peers``: every rank of the group calls it with the same setting."""
+    if setting is not True and setting is not False and setting != "auto":
+        raise ValueError(f"ShardedMuonBatch.peer_copies must be True, False or 'auto', got {setting!r}")
+    if world < 2 or setting is False:
+        return False
+    if device.type != "cuda":
+        return setting is True
+    if setting == "auto":
+        return world == 2 and nccl and direct_peers(group, device)
+    if not direct_peers(group, device):
+        raise RuntimeError("ShardedMuonBatch.peer_copies = True needs the shard group's GPUs on one host, one each, "
+                           "with peer access between them; set it to 'auto' or False (the all-to-alls)")  # fmt: skip
+    return True
+
+
 class PeerStreams:
     """A device's two side streams for the copies: one issues the copies and the flags they raise,
     the other waits for the peers' flags (a waiting kernel there holds up nothing but the
