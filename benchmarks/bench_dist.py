@@ -441,6 +441,7 @@ MUON_SWITCHES = (
     ("coalesce", ShardedMuonGroupPlan, "a stage's all-to-alls each way as one NCCL group (ShardedMuonGroupPlan)"),
     ("owner-kernels", ShardedMuonBatch, "the owner's pieces and norms by the kernels (muon/owner_pieces.py)"),
     ("peer-copies", ShardedMuonBatch, "the exchanges as copies into the peers' symmetric buffers (peer_copies.py)"),
+    ("direct-replies", ShardedMuonBatch, "with the peer copies: O's rows to the ranks straight from NS's output"),
 )
 
 

@@ -160,7 +160,8 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
     """Turn on ``ShardedMuonGroupPlan``'s switches ``names`` (and ``ShardedMuonBatch``'s
     ``owner_kernels`` and ``peer_copies``) in this rank's process, the others off.
     ``peer_copies_on_files``: ``peer_copies`` on CPU ranks, the pools shared files
-    (``peer_pool_stand_in.FilePool``); ``peer_copies_auto``: ``peer_copies = "auto"``.
+    (``peer_pool_stand_in.FilePool``); ``peer_copies_auto``: ``peer_copies = "auto"``;
+    ``replies_scattered``: ``direct_replies`` off (on unless named).
     ``coalesce_on_gloo``: ``coalesce`` with Gloo's batches taken for NCCL ones and a stand-in for
     the coalescing manager, which Gloo lacks (``_coalesce_stand_in``), so that the grouped path's
     order of calls and its shared work run on the CPU."""
@@ -170,6 +171,7 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
         setattr(muon_dist.ShardedMuonGroupPlan, name, name in names)
     muon_dist.ShardedMuonBatch.owner_kernels = "owner_kernels" in names
     muon_dist.ShardedMuonBatch.peer_copies = "peer_copies" in names or "peer_copies_on_files" in names
+    muon_dist.ShardedMuonBatch.direct_replies = "replies_scattered" not in names
     if "peer_copies_auto" in names:
         muon_dist.ShardedMuonBatch.peer_copies = "auto"
     if "peer_copies_on_files" in names:

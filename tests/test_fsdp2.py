@@ -81,12 +81,14 @@ def test_muon_under_hsdp_with_grouped_all_to_alls_equals_the_one_process_step():
 
 @pytest.mark.parametrize(("world", "options", "hsdp"), [(2, (), False), (4, ("pair_stages",), False), (4, (), True),
                                                         (2, ("coalesce_on_gloo",), False),
-                                                        (2, ("pair_stages", "light_last"), False)])  # fmt: skip
+                                                        (2, ("pair_stages", "light_last"), False),
+                                                        (2, ("replies_scattered",), False)])  # fmt: skip
 def test_muon_exchanging_by_peer_copies_equals_the_one_process_step(world, options, hsdp):
     """The exchanges as copies into the peers' buffers and flags (``peer_copies``; the pools shared
     files, ``peer_pool_stand_in``): no all-to-all, every flag raised once per stage, way and step,
-    and bitwise the one-process step, at 2 and 4 ranks, in HSDP's shard groups, and with the NCCL
-    batches' grouping switched on beside them."""
+    and bitwise the one-process step, at 2 and 4 ranks, in HSDP's shard groups, with the NCCL
+    batches' grouping switched on beside them, and with O's rows scattered into the reply buffer
+    before they go (``direct_replies`` off; on, the wide matrices' replies go straight from O)."""
     run_ranks(world, muon_equal_to_one_process, "torch", 0.0, "cpu", ("peer_copies_on_files", *options), hsdp)
 
 
@@ -104,14 +106,16 @@ MUON_TOL = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_s
 
 
 @pytest.mark.parametrize(("world", "options"), [(2, ()), (4, ()), (2, ("pair_stages",)), (2, ("owner_kernels",)),
-                                               (4, ("owner_kernels",))])  # fmt: skip
+                                               (4, ("owner_kernels",)), (2, ("owner_kernels", "peer_copies_on_files")),
+                                               (4, ("peer_copies_on_files",))])  # fmt: skip
 def test_muon_under_fsdp2_on_the_kernels_is_within_one_bf16_ns_of_the_one_process_kernels(world, options):
     """Each rank's rows through the momentum and update kernels (the interpreter), tall matrices'
     pieces written and read transposed, uneven splits and an empty rank at 4 ((5, 3): 2, 2, 1, 0 rows);
     the owner's norm (torch's vector_norm against the kernels' tile sums) and NS (torch's ops on
     the owner, the same as one process's under the interpreter) round otherwise: one bf16 NS.
     ``options``: NS stages cut in pairs of batches; the owner's pieces gathered, its norm taken and
-    O scattered back by the kernels (``owner_pieces``)."""
+    O scattered back by the kernels (``owner_pieces``); the exchanges as peer copies (the update
+    reads the owner's own rows of wide matrices in O itself, ``direct_replies``)."""
     run_ranks(world, muon_kernels_equal_to_one_process, MUON_TOL, "cpu", options)
 
 

@@ -1,5 +1,5 @@
-"""``peer_copies``' layout against the all-to-all it replaces, its refusal of CPU tensors, and the
-switch's decision (``takes_peer_copies``)."""
+"""``peer_copies``' layout against the all-to-all it replaces, its refusal of CPU tensors, the
+switch's decision (``takes_peer_copies``) and the pitched copy of blocks of rows (``copy_blocks``)."""
 
 import random
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_factory.optimizers.muon import peer_copies
-from kernel_factory.optimizers.muon.peer_copies import SymmetricPool, piece_offsets, takes_peer_copies
+from kernel_factory.optimizers.muon.peer_copies import SymmetricPool, copy_blocks, piece_offsets, takes_peer_copies
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -61,3 +61,48 @@ def test_forced_peer_copies_between_gpus_that_cannot_reach_each_other_and_bad_va
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="ShardedMuonBatch.peer_copies must be True, False or 'auto'"):
             takes_peer_copies(bad, 1, True, GPU, None)
+
+
+def _blocks_case(device: str, batch: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [2, 2 + rows) of ``batch`` (R, cols) matrices (R = rows + 5) bf16, and a contiguous
+    destination (batch, rows, cols) of NaN with its expected value."""
+    gen = torch.Generator().manual_seed(batch * 100 + rows * 10 + cols)
+    whole = torch.randn((batch, rows + 5, cols), generator=gen).to(device, torch.bfloat16)
+    src = whole[:, 2 : 2 + rows]
+    dst = torch.full((batch, rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
+    return dst, src, src.clone()
+
+
+@pytest.mark.parametrize(("batch", "rows", "cols"), [(3, 4, 7), (1, 1, 5), (2, 3, 1)])
+def test_copy_blocks_moves_each_matrixs_rows(batch, rows, cols):
+    dst, src, expected = _blocks_case("cpu", batch, rows, cols)
+    copy_blocks(dst, src)
+    assert torch.equal(dst, expected)
+
+
+def test_copy_blocks_names_what_is_wrong():
+    dst, src, _ = _blocks_case("cpu", 2, 3, 4)
+    with pytest.raises(ValueError, match="must be \\(B, rows, C\\) of one shape and dtype"):
+        copy_blocks(dst[:, :2], src)
+    with pytest.raises(ValueError, match="must be \\(B, rows, C\\) of one shape and dtype"):
+        copy_blocks(dst.float(), src)
+    with pytest.raises(ValueError, match="src's blocks must be contiguous rows"):
+        copy_blocks(dst, src.mT.contiguous().mT)  # each row a column apart
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "rows", "cols"), [(3, 4, 7), (1, 1, 5), (5, 384, 768)])
+def test_copy_blocks_on_a_gpu_is_one_pitched_copy_of_the_same_values(batch, rows, cols):
+    """On CUDA (``cudaMemcpy2DAsync`` on the current stream, a side stream here): the same bits as
+    torch's copy, and the destination's other rows untouched (a strided destination too)."""
+    dst, src, expected = _blocks_case("cuda", batch, rows, cols)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        copy_blocks(dst, src)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(dst, expected)
+    wide = torch.zeros((batch, rows + 3, cols), dtype=torch.bfloat16, device="cuda")
+    copy_blocks(wide[:, 1 : 1 + rows], src)
+    assert torch.equal(wide[:, 1 : 1 + rows], expected)
+    assert not wide[:, :1].any() and not wide[:, 1 + rows :].any()

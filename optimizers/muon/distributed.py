@@ -80,6 +80,11 @@ class ShardedMuonBatch:
     # True: at any size (GPUs that reach each other, else a RuntimeError; on CPU devices
     # ``peer_copies.POOL``'s stand-in); False: the all-to-alls (``peer_copies.takes_peer_copies``)
     peer_copies: bool | str = "auto"
+    # ``direct_replies`` (with the peer copies): each rank's rows of O are copied to it straight
+    # from NS's output (``peer_copies.copy_blocks``, the copy engines) and the owner's update reads
+    # its own rows there, instead of a scatter launch of O into the reply and return buffers
+    # first; where O's rows are contiguous blocks (NS wrote O in the rows' layout)
+    direct_replies = True
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
         self.params, self.bufs = params, bufs
@@ -129,6 +134,16 @@ class ShardedMuonBatch:
             back = [(remote[s][got_max + sent_at[s][self.rank] :][:n], self._reply[starts[s] :][:n])
                     for s, n in enumerate(self._from_rank) if n]  # fmt: skip
             self._peer_copies = (pool, out, back)
+            # direct replies: rank s's rows [a, b) of the owned matrices, into its return buffer
+            self._reply_to = [(remote[s][got_max + sent_at[s][self.rank] :][: owned * heres[s] * C]
+                               .view(owned, heres[s], C), s * P, s * P + heres[s])
+                              for s in range(W) if s != self.rank and heres[s] and owned]  # fmt: skip
+        self._direct = copies and self.direct_replies  # taken once: the NS graph bakes in the scatter or not
+        self._own_rows = (self.rank * P, self.rank * P + here)  # this rank's rows of every matrix
+        # direct replies: O's rows (owned, R, C) that this step's copies read, and this rank's own
+        # rows of them (owned, here, C), which its update reads (kept to the next step: update_amax)
+        self._reply_rows: Tensor | None = None
+        self._own_o: Tensor | None = None
         # rank s's pieces of the owned matrices, and the rows of x (tall: columns) they fill
         self._spans = [(s, s * P, s * P + heres[s]) for s in range(W) if heres[s]]
 
@@ -204,6 +219,8 @@ class ShardedMuonBatch:
         """Each rank's rows of O (the owner's ``ortho``, (owned, m, n); a tall matrix's rows are
         its columns) into the reply buffer: one foreach copy, of contiguous blocks where NS wrote
         O in x's layout (``newton_schulz_launch.update_output``), or the owner kernels' scatter."""
+        if self._direct_rows(ortho) is not None:
+            return  # ``to_ranks`` and ``own_rows`` copy straight from O
         if self.pieces is not None:
             self.pieces.scatter(ortho.mT if self.tall else ortho)
         elif self.owned:
@@ -220,10 +237,21 @@ class ShardedMuonBatch:
         """Step 4's start: each rank's rows of O (``after_ns``, done in the NS graph where the batch
         is ``graphed``) sent back to it by an all-to-all left running (``apply`` waits for it);
         ``exchange=False``: the caller issues it (``to_ranks``)."""
+        self._reply_rows = rows = self._direct_rows(ortho)
+        self._own_o = None if rows is None else rows[:, self._own_rows[0] : self._own_rows[1]]
         if not self.graphed:
             self.after_ns(ortho)
         if exchange:
             self.to_ranks()
+
+    def _direct_rows(self, ortho: Tensor) -> Tensor | None:
+        """O's rows (owned, R, C), where the replies go straight from them (``direct_replies``
+        with the peer copies, and each matrix's rows contiguous in O); else None. A pure function
+        of O's layout: the NS graph's capture (``after_ns``) and each step (``reply``) agree."""
+        if not self._direct or not self.owned:
+            return None
+        rows = ortho.mT if self.tall else ortho
+        return rows if rows.stride(-1) == 1 and rows.stride(-2) == self.cols else None
 
     def to_ranks(self) -> None:
         """The all-to-all of O's rows back to the ranks that hold them, left running (none on one
@@ -234,6 +262,10 @@ class ShardedMuonBatch:
         """One exchange: ``inp`` split by ``in_splits`` to the ranks, ``out`` by ``out_splits`` from
         them (an all-to-all left running), or ``_peer_copies[way]``'s copies."""
         if self.world == 1:
+            return
+        if self._peer_copies is not None and way == 2 and self._reply_rows is not None:
+            for dst, a, b in self._reply_to:
+                peer_copy.copy_blocks(dst, self._reply_rows[:, a:b])
             return
         if self._peer_copies is not None:
             for dst, src in self._peer_copies[way]:
@@ -246,24 +278,32 @@ class ShardedMuonBatch:
         """Step 4's end: once this rank's rows of O are back, weight decay and the update on them."""
         if self._work is not None:
             self._work.wait()
+        self._reply_rows = None  # copied out (O stays put until NS's next run: a graph's, or _own_o's)
         step_lr = adjusted_lr(h.lr, h.adjust_lr_fn, self.rows, self.cols)
         decay = 1 - h.lr * h.weight_decay
         if self.kernels is not None:
-            self.kernels.apply(decay, step_lr)
+            self.kernels.apply(decay, step_lr, self._own_o)
         else:
             torch._foreach_mul_(self.local_params, decay)
             if self._back.numel():  # p.add_ computes in p's dtype, as single-process Muon after .to(p.dtype)
                 mine = [o.reshape(self.local_params[j].shape)
-                        for j, o in zip(self.order, self._back.unbind(0), strict=True)]  # fmt: skip
+                        for j, o in zip(self.order, self._my_o(), strict=True)]  # fmt: skip
                 torch._foreach_add_([self.local_params[j] for j in self.order], mine, alpha=-step_lr)
         self._amax_lr = step_lr
+
+    def _my_o(self) -> list[Tensor]:
+        """This rank's rows of O of each matrix, in the pieces' order: the return buffer's, the own
+        ones in O itself where the replies go direct."""
+        if self._own_o is None:
+            return list(self._back.unbind(0))
+        return list(self._back[: len(self.params) - len(self.owned)].unbind(0)) + list(self._own_o.unbind(0))
 
     def update_amax(self) -> Tensor:
         """This rank's rows' largest |adjusted lr · O| of the last step (0-d fp32), formed when asked
         (telemetry reads it between steps; ``_back`` holds the last step's rows of O until then)."""
         if not self._back.numel() or self._amax_lr is None:
             return torch.zeros((), device=self.device)
-        return self._back.abs().amax().float() * self._amax_lr
+        return torch.stack([o.abs().amax() for o in self._my_o()]).amax().float() * self._amax_lr
 
 
 def orthogonalize(x: Tensor, h: MuonHyper) -> Tensor:

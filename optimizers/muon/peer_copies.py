@@ -15,6 +15,7 @@ same buffers hold the same elements either way.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import socket
@@ -75,6 +76,50 @@ class SymmetricPool:
 
     def wait(self, peer: int, channel: int) -> None:
         self._handle.wait_signal(peer, channel, SIGNAL_TIMEOUT_MS)
+
+
+def copy_blocks(dst: Tensor, src: Tensor) -> None:
+    """``dst[k] = src[k]`` for (B, rows, C) tensors of one dtype whose blocks ``[k]`` are each
+    contiguous (strides (any, C, 1)): a block of rows of each of B matrices, as a rank's rows of
+    the owned matrices are in O. On CUDA one pitched copy on the current stream (a block a row of
+    ``cudaMemcpy2DAsync``: the copy engines run it, no SMs, and a peer's mapped buffer is a
+    destination like any other); elsewhere torch's ``copy_``."""
+    if dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() != 3:
+        raise ValueError(f"copy_blocks: dst {tuple(dst.shape)} {dst.dtype} and src {tuple(src.shape)} {src.dtype} "
+                         f"must be (B, rows, C) of one shape and dtype")  # fmt: skip
+    for name, t in (("dst", dst), ("src", src)):
+        if t.shape[1] > 1 and t.stride(1) != t.shape[2] or t.shape[2] > 1 and t.stride(2) != 1:
+            raise ValueError(f"copy_blocks: {name}'s blocks must be contiguous rows, got strides {t.stride()}")
+    if dst.device.type != "cuda" or not dst.numel():
+        dst.copy_(src)
+        return
+    size = dst.element_size()
+    width = dst.shape[1] * dst.shape[2] * size
+    pitch = lambda t: t.stride(0) * size if t.shape[0] > 1 else width  # noqa: E731 (one block: any stride)
+    code = _memcpy_2d()(dst.data_ptr(), pitch(dst), src.data_ptr(), pitch(src), width, dst.shape[0],
+                        _MEMCPY_DEFAULT, torch.cuda.current_stream(dst.device).cuda_stream)  # fmt: skip
+    if code:
+        raise RuntimeError(f"copy_blocks: cudaMemcpy2DAsync returned CUDA error {code}")
+
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_CUDART: list = []
+
+
+def _memcpy_2d():
+    """``cudaMemcpy2DAsync`` of the CUDA runtime that torch loaded (found in this process's mapped
+    files; torch's Python API has no pitched copy)."""
+    if not _CUDART:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+        if path is None:
+            raise RuntimeError("copy_blocks: torch's CUDA runtime (libcudart) is not loaded in this process")
+        fn = ctypes.CDLL(path).cudaMemcpy2DAsync
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
+        _CUDART.append(fn)
+    return _CUDART[0]
 
 
 POOL = SymmetricPool  # what ``ShardedMuonBatch`` builds its pools with (tests put a CPU stand-in here)

@@ -72,14 +72,20 @@ class LocalRowsKernels:
             k.momentum_kernel[(self.tiles,)](g.contiguous(), buf, 0, self.out[i], self._partial[i],
                                              m, n, mu, 1 - mu, **self.options)  # fmt: skip
 
-    def apply(self, decay: float, lr: float) -> None:
+    def apply(self, decay: float, lr: float, own: Tensor | None = None) -> None:
         """p = p * decay - lr * (the piece of ``back``), in the parameter dtype as torch's foreach
-        ops round."""
+        ops round. ``own`` (k, here, C) bf16, each piece contiguous: the last k pieces from there
+        instead (the owner's own rows, read in place in its O)."""
         k, m, n = self._module(False), self.m, self.n
-        if self.multi_tensor:
-            k.apply_kernel[(self.tiles, len(self.locals))](self._p_table, self._flags, self.back, m, n, decay, lr,
-                                                          lr, **self.options)  # fmt: skip
+        count = len(self.locals)
+        if self.multi_tensor and own is not None:
+            k.apply_split_kernel[(self.tiles, count)](self._p_table, self._flags, self.back, own, count - len(own),
+                                                     own.stride(0), m, n, decay, lr, lr, **self.options)  # fmt: skip
             return
+        if self.multi_tensor:
+            k.apply_kernel[(self.tiles, count)](self._p_table, self._flags, self.back, m, n, decay, lr, lr,
+                                               **self.options)  # fmt: skip
+            return
+        pieces = list(self.back[: count - len(own)]) + list(own) if own is not None else self.back
         for i, p in enumerate(self.locals):
-            k.apply_kernel[(self.tiles,)](p, 0, self.back[i], m, n, decay, lr, lr,
-                                          **self.options)  # fmt: skip
+            k.apply_kernel[(self.tiles,)](p, 0, pieces[i], m, n, decay, lr, lr, **self.options)
