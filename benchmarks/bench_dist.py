@@ -442,6 +442,7 @@ MUON_SWITCHES = (
     ("owner-kernels", ShardedMuonBatch, "the owner's pieces and norms by the kernels (muon/owner_pieces.py)"),
     ("peer-copies", ShardedMuonBatch, "the exchanges as copies into the peers' symmetric buffers (peer_copies.py)"),
     ("direct-replies", ShardedMuonBatch, "with the peer copies: O's rows to the ranks straight from NS's output"),
+    ("direct-pieces", ShardedMuonBatch, "with the peer copies: the pieces straight into the owner's matrices"),
 )
 
 

@@ -161,7 +161,8 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
     ``owner_kernels`` and ``peer_copies``) in this rank's process, the others off.
     ``peer_copies_on_files``: ``peer_copies`` on CPU ranks, the pools shared files
     (``peer_pool_stand_in.FilePool``); ``peer_copies_auto``: ``peer_copies = "auto"``;
-    ``replies_scattered``: ``direct_replies`` off (on unless named).
+    ``replies_scattered``, ``pieces_gathered``: ``direct_replies``, ``direct_pieces`` off (on
+    unless named).
     ``coalesce_on_gloo``: ``coalesce`` with Gloo's batches taken for NCCL ones and a stand-in for
     the coalescing manager, which Gloo lacks (``_coalesce_stand_in``), so that the grouped path's
     order of calls and its shared work run on the CPU."""
@@ -172,6 +173,7 @@ def set_muon_plan_options(names: tuple[str, ...]) -> None:
     muon_dist.ShardedMuonBatch.owner_kernels = "owner_kernels" in names
     muon_dist.ShardedMuonBatch.peer_copies = "peer_copies" in names or "peer_copies_on_files" in names
     muon_dist.ShardedMuonBatch.direct_replies = "replies_scattered" not in names
+    muon_dist.ShardedMuonBatch.direct_pieces = "pieces_gathered" not in names
     if "peer_copies_auto" in names:
         muon_dist.ShardedMuonBatch.peer_copies = "auto"
     if "peer_copies_on_files" in names:

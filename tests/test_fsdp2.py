@@ -82,13 +82,15 @@ def test_muon_under_hsdp_with_grouped_all_to_alls_equals_the_one_process_step():
 @pytest.mark.parametrize(("world", "options", "hsdp"), [(2, (), False), (4, ("pair_stages",), False), (4, (), True),
                                                         (2, ("coalesce_on_gloo",), False),
                                                         (2, ("pair_stages", "light_last"), False),
-                                                        (2, ("replies_scattered",), False)])  # fmt: skip
+                                                        (2, ("replies_scattered", "pieces_gathered"), False)],
+                         )  # fmt: skip
 def test_muon_exchanging_by_peer_copies_equals_the_one_process_step(world, options, hsdp):
     """The exchanges as copies into the peers' buffers and flags (``peer_copies``; the pools shared
     files, ``peer_pool_stand_in``): no all-to-all, every flag raised once per stage, way and step,
     and bitwise the one-process step, at 2 and 4 ranks, in HSDP's shard groups, with the NCCL
-    batches' grouping switched on beside them, and with O's rows scattered into the reply buffer
-    before they go (``direct_replies`` off; on, the wide matrices' replies go straight from O)."""
+    batches' grouping switched on beside them, and with the pieces gathered from a receive
+    buffer and O's rows scattered into a reply buffer (``direct_pieces``, ``direct_replies``
+    off; on, the pieces land in the owner's rows and the wide matrices' replies leave from O)."""
     run_ranks(world, muon_equal_to_one_process, "torch", 0.0, "cpu", ("peer_copies_on_files", *options), hsdp)
 
 
@@ -107,7 +109,9 @@ MUON_TOL = muon_tol([s for s in SHAPES if len(s) >= 2], lr=0.02, steps=4, init_s
 
 @pytest.mark.parametrize(("world", "options"), [(2, ()), (4, ()), (2, ("pair_stages",)), (2, ("owner_kernels",)),
                                                (4, ("owner_kernels",)), (2, ("owner_kernels", "peer_copies_on_files")),
-                                               (4, ("peer_copies_on_files",))])  # fmt: skip
+                                               (4, ("peer_copies_on_files",)),
+                                               (2, ("owner_kernels", "peer_copies_on_files", "pieces_gathered"))],
+                         )  # fmt: skip
 def test_muon_under_fsdp2_on_the_kernels_is_within_one_bf16_ns_of_the_one_process_kernels(world, options):
     """Each rank's rows through the momentum and update kernels (the interpreter), tall matrices'
     pieces written and read transposed, uneven splits and an empty rank at 4 ((5, 3): 2, 2, 1, 0 rows);

@@ -65,7 +65,7 @@ def test_distributed_adamw_gathers_go_out_in_the_order_the_forward_asks_for_them
 # the owner's gather and norm by the kernels; the exchanges as copies into the peers' symmetric buffers
 @pytest.mark.parametrize("options", [(), ("pair_stages",), ("coalesce",), ("pair_stages", "coalesce"),
                                      ("coalesce", "owner_kernels"), ("owner_kernels", "peer_copies"),
-                                     ("owner_kernels", "peer_copies", "replies_scattered"),
+                                     ("owner_kernels", "peer_copies", "replies_scattered", "pieces_gathered"),
                                      ("coalesce", "owner_kernels", "peer_copies_auto")])  # fmt: skip
 @pytest.mark.parametrize("world", WORLDS)
 def test_muon_under_fsdp2_is_within_one_bf16_ns_of_the_one_process_step(world, options):

@@ -61,7 +61,10 @@ class ShardedMuonBatch:
     all-to-all moves no padding; the owner receives (owned, rows of rank s, C) from each other
     rank s, and sends it back the same way. A rank's pieces of its own matrices stay out of the
     all-to-alls (NCCL would copy them within the rank, on its few SMs, as part of the exchange):
-    NS's input is copied from the send buffer's last part and O into the return buffer's. ``mode``: the
+    NS's input is copied from the send buffer's last part and O into the return buffer's. With
+    the peer copies the pieces may skip the receive and reply buffers (``direct_pieces``,
+    ``direct_replies``: each way one pitched copy per peer and batch between the send or return
+    buffer and the owner's matrices' rows or O, and the own rows written and read in place). ``mode``: the
     Triton kernels write and read the pieces (``sharded_rows``) where ``kernel_path`` gives
     ``cuda`` or ``interpreter``; else PyTorch's foreach ops.
 
@@ -83,8 +86,14 @@ class ShardedMuonBatch:
     # ``direct_replies`` (with the peer copies): each rank's rows of O are copied to it straight
     # from NS's output (``peer_copies.copy_blocks``, the copy engines) and the owner's update reads
     # its own rows there, instead of a scatter launch of O into the reply and return buffers
-    # first; where O's rows are contiguous blocks (NS wrote O in the rows' layout)
+    # first; where O's rows are contiguous blocks (NS wrote O in the rows' layout). On two H200s at
+    # 123M the step's GPU time 1.483-1.487 -> 1.440-1.441 ms (muon_direct_copies_w2.md)
     direct_replies = True
+    # ``direct_pieces`` (with the peer copies): each rank's pieces are copied straight into the
+    # owner's matrices' rows (one pitched copy per owner and batch) and the owner's momentum
+    # kernel writes its own rows there, so the owner takes the norms alone (``OwnerPieces.norms``)
+    # instead of gathering the pieces from a receive buffer first (then 1.431-1.436 -> 1.412-1.417)
+    direct_pieces = True
 
     def __init__(self, params: list[DTensor], bufs: list[DTensor], mode: str) -> None:
         self.params, self.bufs = params, bufs
@@ -116,11 +125,16 @@ class ShardedMuonBatch:
         self._reply = torch.zeros(sum(self._from_rank), **bf16)  # flat: split by element
         self._peer_copies: tuple | None = None  # (pool, copies to the owners, copies back), where taken
         copies = peer_copy.takes_peer_copies(self.peer_copies, W, self.nccl, self.device, self.group)
+        self._direct = copies and self.direct_replies  # taken once: the NS graph bakes in the scatter or not
+        self._direct_in = copies and self.direct_pieces  # and the gather or the norms alone
+        owned_by = [len(range(r, len(params), W)) for r in range(W)]  # matrices of each owner
         if copies:
-            # every rank's receive buffer, then its return buffer, at the same offsets in each pool
-            got_max = max(sum(sizes[s][r] for s in range(W)) for r in range(W))
+            # every rank's receive region (its matrices' rows where the pieces go there in place,
+            # else the others' pieces), then its return buffer, at the same offsets in each pool
+            got_max = max(owned_by[r] * self.rows * C if self._direct_in else sum(sizes[s][r] for s in range(W))
+                          for r in range(W))  # fmt: skip
             pool = peer_copy.POOL(got_max + len(params) * P * C, self.device, self.group)
-            self._got = pool.local[: sum(self._from_rank)]
+            self._got = pool.local[: sum(self._from_rank)]  # not read where the pieces land in the rows
             self._back = pool.local[got_max : got_max + len(params) * here * C].view(len(params), here, C)
         else:
             self._got = torch.zeros(sum(self._from_rank), **bf16)
@@ -129,16 +143,22 @@ class ShardedMuonBatch:
         self._away = (self._send[:away].view(-1), self._back[:away].view(-1))
         if copies:
             remote = {r: pool.remote(r) for r in range(W) if r != self.rank}
-            out = [(remote[r][got_at[r][self.rank] :][:n], self._away[0][sent_at[self.rank][r] :][:n])
-                   for r, n in enumerate(sizes[self.rank]) if n]  # fmt: skip
-            back = [(remote[s][got_max + sent_at[s][self.rank] :][:n], self._reply[starts[s] :][:n])
+            flat = lambda t: t.view(1, 1, -1)  # noqa: E731 (one block for copy_blocks)
+            out = []  # to owner r: this rank's pieces, into its receive buffer or its matrices' rows
+            for r, n in enumerate(sizes[self.rank]):
+                piece = self._away[0][sent_at[self.rank][r] :][:n]
+                if n and self._direct_in:
+                    its_rows = remote[r][: owned_by[r] * self.rows * C].view(owned_by[r], self.rows, C)
+                    out.append((its_rows[:, self.rank * P : self.rank * P + here], piece.view(owned_by[r], here, C)))
+                elif n:
+                    out.append((flat(remote[r][got_at[r][self.rank] :][:n]), flat(piece)))
+            back = [(flat(remote[s][got_max + sent_at[s][self.rank] :][:n]), flat(self._reply[starts[s] :][:n]))
                     for s, n in enumerate(self._from_rank) if n]  # fmt: skip
             self._peer_copies = (pool, out, back)
             # direct replies: rank s's rows [a, b) of the owned matrices, into its return buffer
             self._reply_to = [(remote[s][got_max + sent_at[s][self.rank] :][: owned * heres[s] * C]
                                .view(owned, heres[s], C), s * P, s * P + heres[s])
                               for s in range(W) if s != self.rank and heres[s] and owned]  # fmt: skip
-        self._direct = copies and self.direct_replies  # taken once: the NS graph bakes in the scatter or not
         self._own_rows = (self.rank * P, self.rank * P + here)  # this rank's rows of every matrix
         # direct replies: O's rows (owned, R, C) that this step's copies read, and this rank's own
         # rows of them (owned, here, C), which its update reads (kept to the next step: update_amax)
@@ -152,7 +172,14 @@ class ShardedMuonBatch:
             return {s: own if s == self.rank else part.view(owned, heres[s], C) for s, part in got.items()}
 
         self._got_parts, self._reply_parts = parts(self._got, self._send[away:]), parts(self._reply, self._back[away:])
-        rows = torch.empty((owned, self.rows, C), **bf16)  # the owned matrices' rows
+        # the owned matrices' rows (in the pool where the pieces are copied there)
+        rows = pool.local[: owned * self.rows * C].view(owned, self.rows, C) if self._direct_in \
+            else torch.empty((owned, self.rows, C), **bf16)  # fmt: skip
+        # where this rank's momentum writes its rows of the owned matrices: in place, or the send
+        # buffer's own part (``_send[away:]``), which ``before_ns`` gathers from
+        self._own_x = rows[:, self._own_rows[0] : self._own_rows[1]] if self._direct_in and owned else None
+        self._send_to = list(self._send.unbind(0)) if self._own_x is None else \
+            [*self._send[:away].unbind(0), *self._own_x.unbind(0)]  # fmt: skip
         self.x = rows.mT if self.tall else rows  # (owned, m, n), m <= n
         self.pieces = None  # the kernels' gather, norm and scatter (owner_pieces.py), where taken
         if owned and self.owner_kernels and kernel_path(self.local_params[0], mode) in ("cuda", "interpreter"):
@@ -180,13 +207,13 @@ class ShardedMuonBatch:
         owners by an all-to-all left running (``receive`` waits for it); ``exchange=False``: the
         caller issues it (``to_owners``)."""
         if self.kernels is not None:
-            self.kernels.momentum(h.momentum, h.nesterov)
+            self.kernels.momentum(h.momentum, h.nesterov, self._own_x)
         elif self._send.numel():
             grads = checked_grads(self.params)
             torch._foreach_lerp_(self.local_bufs, grads, 1 - h.momentum)
             updates = torch._foreach_lerp(grads, self.local_bufs, h.momentum) if h.nesterov else self.local_bufs
             rows = [updates[j].reshape(-1, self.cols) for j in self.order]
-            torch._foreach_copy_(list(self._send.unbind(0)), rows)
+            torch._foreach_copy_(self._send_to, rows)
         if exchange:
             self.to_owners()
 
@@ -206,12 +233,13 @@ class ShardedMuonBatch:
 
     def before_ns(self, eps_bf16: float) -> None:
         """The owner's matrices into ``x`` (rank s's pieces are rows [a, b) of each; a tall
-        matrix's rows are x's columns) and their norms (as torch's bf16 vector_norm, at least
-        eps; the owner kernels' where taken): static buffers in, static out."""
+        matrix's rows are x's columns; with ``direct_pieces`` they are there already) and their
+        norms (as torch's bf16 vector_norm, at least eps; the owner kernels' where taken): static
+        buffers in, static out."""
         if self.pieces is not None:
-            self.pieces.gather(self.norm, eps_bf16)
+            (self.pieces.norms if self._direct_in else self.pieces.gather)(self.norm, eps_bf16)
             return
-        if self.owned:
+        if self.owned and not self._direct_in:
             torch._foreach_copy_(*self._unpack)
         self.norm.copy_(torch.linalg.vector_norm(self.x, dim=(-2, -1)).float().clamp_(min=eps_bf16))
 
@@ -269,7 +297,7 @@ class ShardedMuonBatch:
             return
         if self._peer_copies is not None:
             for dst, src in self._peer_copies[way]:
-                dst.copy_(src)
+                peer_copy.copy_blocks(dst, src)
             return
         self._work = dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                             group=self.group, async_op=True)  # fmt: skip

@@ -1,6 +1,8 @@
 """Sharded Muon's owner: the row pieces the ranks sent, into its matrices and their norms (two
 launches: kernel_templates/muon_owner.py.j2's gather_kernel, then muon.py.j2's norm_kernel), and
-O's rows back into the pieces that return to the ranks (its scatter_kernel). Without them
+O's rows back into the pieces that return to the ranks (its scatter_kernel); where the peer
+copies put the pieces into the matrices' rows in place, the norms alone (its partial_kernel,
+then the norm_kernel). Without them
 ``ShardedMuonBatch`` copies the pieces with one foreach launch each way and takes torch's bf16
 ``vector_norm`` (a reduction and three small kernels a batch).
 
@@ -49,6 +51,16 @@ class OwnerPieces:
         self._kernels.gather_kernel[(self.tiles, self.owned)](self.got, self.own_in, self.starts, self.heres,
                                                               self.rows, self.partial, self.R, self.C, self.P,
                                                               self.rank, self.here, **self.config)  # fmt: skip
+        self._norm_of_partials(norm, eps_bf16)
+
+    def norms(self, norm: Tensor, eps_bf16: float) -> None:
+        """``norm`` as ``gather``'s (the same bits), where the pieces were copied into ``rows`` in
+        place."""
+        self._kernels.partial_kernel[(self.tiles, self.owned)](self.rows, self.partial, self.R, self.C,
+                                                               **self.config)  # fmt: skip
+        self._norm_of_partials(norm, eps_bf16)
+
+    def _norm_of_partials(self, norm: Tensor, eps_bf16: float) -> None:
         self._norm[(self.owned,)](self.partial, norm, self.tiles, eps_bf16, BLOCK_T=NORM_BLOCK)
 
     def scatter(self, ortho_rows: Tensor) -> None:

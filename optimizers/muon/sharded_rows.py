@@ -58,19 +58,32 @@ class LocalRowsKernels:
             k = self._kernels[nesterov] = load(MUON, MUON.variant(**self._variant, nesterov=nesterov))
         return k
 
-    def momentum(self, mu: float, nesterov: bool) -> None:
+    def momentum(self, mu: float, nesterov: bool, own: Tensor | None = None) -> None:
         """buf = lerp(buf, g, 1 - mu) in place; ``out``'s pieces = bf16 of the buffer (Nesterov:
-        of lerp(g, buf, mu))."""
+        of lerp(g, buf, mu)). ``own`` (k, here, C) bf16, each piece contiguous: the last k pieces
+        go there instead (the owner's own rows, in place in its matrices' rows)."""
         k, m, n = self._module(nesterov), self.m, self.n
+        count = len(self.locals)
         if self.multi_tensor:
             grads = self._grads.update(self.params, lambda: checked_grads(self.params))
-            k.momentum_kernel[(self.tiles, len(self.locals))](grads, self._buf_table, self._flags, self.out,
-                                                             self._partial, m, n, mu, 1 - mu,
-                                                             **self.options)  # fmt: skip
+            if own is not None:
+                k.momentum_split_kernel[(self.tiles, count)](grads, self._buf_table, self._flags, self.out, own,
+                                                            count - len(own), own.stride(0), self._partial, m, n,
+                                                            mu, 1 - mu, **self.options)  # fmt: skip
+                return
+            k.momentum_kernel[(self.tiles, count)](grads, self._buf_table, self._flags, self.out, self._partial,
+                                                  m, n, mu, 1 - mu, **self.options)  # fmt: skip
             return
+        pieces = self._pieces(self.out, own)
         for i, (g, buf) in enumerate(zip(checked_grads(self.params), self.bufs, strict=True)):
-            k.momentum_kernel[(self.tiles,)](g.contiguous(), buf, 0, self.out[i], self._partial[i],
+            k.momentum_kernel[(self.tiles,)](g.contiguous(), buf, 0, pieces[i], self._partial[i],
                                              m, n, mu, 1 - mu, **self.options)  # fmt: skip
+
+    def _pieces(self, flat: Tensor, own: Tensor | None) -> list[Tensor]:
+        """Each matrix's (here, C) piece: ``flat``'s, the last ``len(own)`` from ``own``."""
+        if own is None:
+            return list(flat)
+        return list(flat[: len(self.locals) - len(own)]) + list(own)
 
     def apply(self, decay: float, lr: float, own: Tensor | None = None) -> None:
         """p = p * decay - lr * (the piece of ``back``), in the parameter dtype as torch's foreach
@@ -86,6 +99,6 @@ class LocalRowsKernels:
             k.apply_kernel[(self.tiles, count)](self._p_table, self._flags, self.back, m, n, decay, lr, lr,
                                                **self.options)  # fmt: skip
             return
-        pieces = list(self.back[: count - len(own)]) + list(own) if own is not None else self.back
+        pieces = self._pieces(self.back, own)
         for i, p in enumerate(self.locals):
             k.apply_kernel[(self.tiles,)](p, 0, pieces[i], m, n, decay, lr, lr, **self.options)
