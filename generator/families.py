@@ -177,6 +177,17 @@ MUON = KernelFamily(
     is_legal=_muon_is_legal,
 )
 
+# Sharded Muon's rows of a batch (muon_rows.py.j2): muon.py.j2's kernels and two that place the
+# owner's own rows elsewhere. Not tuned: it runs muon's tuned configs (optimizers/muon/sharded_rows.py).
+MUON_ROWS = KernelFamily(
+    name="muon_rows",
+    template="muon_rows.py.j2",
+    description="muon's kernels on sharded Muon's rows, the owner's own rows in place in its matrices and O",
+    axes=MUON.axes,
+    tunables=MUON.tunables,
+    is_legal=_muon_is_legal,
+)
+
 # Sharded Muon's owner gathers its matrices' row pieces and scatters O's rows back into them
 # (muon_owner.py.j2). Not tuned: its tiles fix which elements each partial sum of the norm adds,
 # so one config at every size and world size keeps the norm the same bits at any world size.
@@ -277,7 +288,7 @@ ADAFACTOR = KernelFamily(
 )
 
 FAMILIES: dict[str, KernelFamily] = {
-    f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON, MUON_OWNER, TURBO_ADAM, ADAFACTOR)
+    f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON, MUON_ROWS, MUON_OWNER, TURBO_ADAM, ADAFACTOR)
 }
 
 

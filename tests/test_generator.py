@@ -50,6 +50,20 @@ def test_every_structural_variant_renders_distinct_kernel_source():
         bodies[body] = dict(variant)
 
 
+def test_muon_rows_is_muons_module_and_two_split_kernels():
+    """``muon_rows.py.j2`` includes ``muon.py.j2`` whole (its tuned entries stay hashed on that
+    source) and adds the split kernels to the multi-tensor variants only."""
+    from kernel_factory.generator import MUON, MUON_ROWS
+
+    for values in itertools.product(*MUON.axes.values()):
+        variant = dict(zip(MUON.axes, values, strict=True))
+        muon, rows = (render(f, f.variant(**variant)).split("\n", 1)[1] for f in (MUON, MUON_ROWS))
+        assert rows.startswith(muon.rstrip("\n")), variant
+        added = rows[len(muon.rstrip("\n")) :]
+        split = ("def momentum_split_kernel(", "def apply_split_kernel(")
+        assert all((name in added) == variant["multi_tensor"] for name in split), variant
+
+
 def test_render_is_strict_about_missing_axes():
     with pytest.raises(jinja2.UndefinedError):
         render(ADAMW, {"multi_tensor": True})

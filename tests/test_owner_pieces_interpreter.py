@@ -1,7 +1,7 @@
 """CPU tier, Triton backend: sharded Muon's owner kernels (kernel_templates/muon_owner.py.j2 and
 muon.py.j2's norm_kernel, ``owner_pieces.OwnerPieces``) under TRITON_INTERPRET=1: the matrices come
-out whole and bitwise, their norms the same bits at every world size and owner rank, and O's rows
-go back into the pieces bitwise."""
+out whole and bitwise, their norms the same bits at every world size and owner rank (and where the
+pieces were put into the matrices in place), and O's rows go back into the pieces bitwise."""
 
 from __future__ import annotations
 
@@ -73,6 +73,21 @@ def test_the_owner_gets_whole_matrices_and_one_norm_at_every_world_size(R, C):
             rows_w, norm_w = gathered(full, world, rank)
             assert torch.equal(rows_w, full), (world, rank)
             assert torch.equal(norm_w, norm), (world, rank, norm_w, norm)
+
+
+@pytest.mark.parametrize(("R", "C"), SHAPES)
+def test_norms_of_pieces_already_in_place_are_the_gathers_bits(R, C):
+    """``norms`` (the peer copies put the pieces into the rows): the same bits as ``gather``'s,
+    the rows untouched."""
+    gen = torch.Generator().manual_seed(R * 10 + C)
+    full = torch.randn((3, R, C), generator=gen).bfloat16()
+    _, expected = gathered(full, 2, 1)
+    owner = Owner(*full.shape, 2, 1)
+    owner.rows.copy_(full)
+    norm = torch.full((full.shape[0],), float("nan"))
+    owner.kernels.norms(norm, EPS_BF16)
+    assert torch.equal(norm, expected), (norm, expected)
+    assert torch.equal(owner.rows, full)
 
 
 @pytest.mark.parametrize(("R", "C"), SHAPES)

@@ -248,7 +248,7 @@ class ShardedMuonBatch:
         its columns) into the reply buffer: one foreach copy, of contiguous blocks where NS wrote
         O in x's layout (``newton_schulz_launch.update_output``), or the owner kernels' scatter."""
         if self._direct_rows(ortho) is not None:
-            return  # ``to_ranks`` and ``own_rows`` copy straight from O
+            return  # ``to_ranks`` copies straight from O, and ``apply`` reads the own rows there
         if self.pieces is not None:
             self.pieces.scatter(ortho.mT if self.tall else ortho)
         elif self.owned:
@@ -328,10 +328,13 @@ class ShardedMuonBatch:
 
     def update_amax(self) -> Tensor:
         """This rank's rows' largest |adjusted lr · O| of the last step (0-d fp32), formed when asked
-        (telemetry reads it between steps; ``_back`` holds the last step's rows of O until then)."""
+        (telemetry reads it between steps; ``_back``, and O for the own rows where the replies go
+        direct, hold the last step's rows of O until then)."""
         if not self._back.numel() or self._amax_lr is None:
             return torch.zeros((), device=self.device)
-        return torch.stack([o.abs().amax() for o in self._my_o()]).amax().float() * self._amax_lr
+        away = len(self.params) - len(self.owned)
+        held = [self._back] if self._own_o is None else [t for t in (self._back[:away], self._own_o) if t.numel()]
+        return torch.stack([t.abs().amax() for t in held]).amax().float() * self._amax_lr
 
 
 def orthogonalize(x: Tensor, h: MuonHyper) -> Tensor:

@@ -1,5 +1,5 @@
-"""Muon's momentum and update kernels (kernel_templates/muon.py.j2) on one rank's rows of a batch
-of FSDP2-sharded matrices (``distributed.ShardedMuonBatch``).
+"""Muon's momentum and update kernels (kernel_templates/muon.py.j2, through muon_rows.py.j2, which
+adds two) on one rank's rows of a batch of FSDP2-sharded matrices (``distributed.ShardedMuonBatch``).
 
 Each rank holds ``here`` rows of every matrix of the batch, each an (here, C) row-major block of
 its local shard. The momentum kernel reads g and the buffer once, writes the buffer and NS's bf16
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernel_factory.generator import MUON, detect_arch, load, select
+from kernel_factory.generator import MUON, MUON_ROWS, detect_arch, load, select
 
 from ..shared.buckets import TRITON_DTYPES, aligned, pointer_table
 from ..shared.checks import checked_grads
@@ -55,7 +55,7 @@ class LocalRowsKernels:
     def _module(self, nesterov: bool):
         k = self._kernels.get(nesterov)
         if k is None:
-            k = self._kernels[nesterov] = load(MUON, MUON.variant(**self._variant, nesterov=nesterov))
+            k = self._kernels[nesterov] = load(MUON_ROWS, MUON_ROWS.variant(**self._variant, nesterov=nesterov))
         return k
 
     def momentum(self, mu: float, nesterov: bool, own: Tensor | None = None) -> None:
