@@ -90,6 +90,13 @@ def test_copy_blocks_names_what_is_wrong():
         copy_blocks(dst, src.mT.contiguous().mT)  # each row a column apart
 
 
+def test_the_pitched_copy_is_found_where_torch_loaded_a_cuda_runtime(monkeypatch):
+    """A CUDA build of torch maps its runtime, whose pitched copy ``copy_blocks`` calls; a build
+    without one (this CPU wheel, or a runtime linked statically) gets None: copies block by block."""
+    monkeypatch.setattr(peer_copies, "_CUDART", [])
+    assert (peer_copies._memcpy_2d() is None) == (torch.version.cuda is None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("batch", "rows", "cols"), [(3, 4, 7), (1, 1, 5), (5, 384, 768)])
 def test_copy_blocks_on_a_gpu_is_one_pitched_copy_of_the_same_values(batch, rows, cols):

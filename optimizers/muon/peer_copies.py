@@ -83,21 +83,24 @@ def copy_blocks(dst: Tensor, src: Tensor) -> None:
     contiguous (strides (any, C, 1)): a block of rows of each of B matrices, as a rank's rows of
     the owned matrices are in O. On CUDA one pitched copy on the current stream (a block a row of
     ``cudaMemcpy2DAsync``: the copy engines run it, no SMs, and a peer's mapped buffer is a
-    destination like any other); elsewhere torch's ``copy_``."""
+    destination like any other); elsewhere, or where torch's CUDA runtime cannot be called (linked
+    statically), torch's ``copy_`` block by block."""
     if dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() != 3:
         raise ValueError(f"copy_blocks: dst {tuple(dst.shape)} {dst.dtype} and src {tuple(src.shape)} {src.dtype} "
                          f"must be (B, rows, C) of one shape and dtype")  # fmt: skip
     for name, t in (("dst", dst), ("src", src)):
         if t.shape[1] > 1 and t.stride(1) != t.shape[2] or t.shape[2] > 1 and t.stride(2) != 1:
             raise ValueError(f"copy_blocks: {name}'s blocks must be contiguous rows, got strides {t.stride()}")
-    if dst.device.type != "cuda" or not dst.numel():
-        dst.copy_(src)
+    memcpy_2d = _memcpy_2d() if dst.device.type == "cuda" and dst.numel() else None
+    if memcpy_2d is None:
+        for to, block in zip(dst, src, strict=True):
+            to.copy_(block)
         return
     size = dst.element_size()
     width = dst.shape[1] * dst.shape[2] * size
     pitch = lambda t: t.stride(0) * size if t.shape[0] > 1 else width  # noqa: E731 (one block: any stride)
-    code = _memcpy_2d()(dst.data_ptr(), pitch(dst), src.data_ptr(), pitch(src), width, dst.shape[0],
-                        _MEMCPY_DEFAULT, torch.cuda.current_stream(dst.device).cuda_stream)  # fmt: skip
+    code = memcpy_2d(dst.data_ptr(), pitch(dst), src.data_ptr(), pitch(src), width, dst.shape[0], _MEMCPY_DEFAULT,
+                     torch.cuda.current_stream(dst.device).cuda_stream)  # fmt: skip
     if code:
         raise RuntimeError(f"copy_blocks: cudaMemcpy2DAsync returned CUDA error {code}")
 
@@ -108,16 +111,16 @@ _CUDART: list = []
 
 def _memcpy_2d():
     """``cudaMemcpy2DAsync`` of the CUDA runtime that torch loaded (found in this process's mapped
-    files; torch's Python API has no pitched copy)."""
+    files; torch's Python API has no pitched copy), or None where none is mapped (a static one)."""
     if not _CUDART:
+        fn = None
         with open("/proc/self/maps") as maps:
             path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
-        if path is None:
-            raise RuntimeError("copy_blocks: torch's CUDA runtime (libcudart) is not loaded in this process")
-        fn = ctypes.CDLL(path).cudaMemcpy2DAsync
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-                       ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
+        if path is not None:
+            fn = ctypes.CDLL(path).cudaMemcpy2DAsync
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                           ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
         _CUDART.append(fn)
     return _CUDART[0]
 
