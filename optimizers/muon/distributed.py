@@ -319,12 +319,16 @@ class ShardedMuonBatch:
                 torch._foreach_add_([self.local_params[j] for j in self.order], mine, alpha=-step_lr)
         self._amax_lr = step_lr
 
-    def _my_o(self) -> list[Tensor]:
-        """This rank's rows of O of each matrix, in the pieces' order: the return buffer's, the own
-        ones in O itself where the replies go direct."""
+    def _o_parts(self) -> list[Tensor]:
+        """This rank's rows of O, (k, here, C) blocks in the pieces' order: the return buffer, or
+        its other owners' part and the own rows in O itself where the replies go direct."""
         if self._own_o is None:
-            return list(self._back.unbind(0))
-        return list(self._back[: len(self.params) - len(self.owned)].unbind(0)) + list(self._own_o.unbind(0))
+            return [self._back]
+        return [self._back[: len(self.params) - len(self.owned)], self._own_o]
+
+    def _my_o(self) -> list[Tensor]:
+        """This rank's rows of O of each matrix, in the pieces' order."""
+        return [o for part in self._o_parts() for o in part.unbind(0)]
 
     def update_amax(self) -> Tensor:
         """This rank's rows' largest |adjusted lr · O| of the last step (0-d fp32), formed when asked
@@ -332,9 +336,8 @@ class ShardedMuonBatch:
         direct, hold the last step's rows of O until then)."""
         if not self._back.numel() or self._amax_lr is None:
             return torch.zeros((), device=self.device)
-        away = len(self.params) - len(self.owned)
-        held = [self._back] if self._own_o is None else [t for t in (self._back[:away], self._own_o) if t.numel()]
-        return torch.stack([t.abs().amax() for t in held]).amax().float() * self._amax_lr
+        held = [t.abs().amax() for t in self._o_parts() if t.numel()]
+        return torch.stack(held).amax().float() * self._amax_lr
 
 
 def orthogonalize(x: Tensor, h: MuonHyper) -> Tensor:
