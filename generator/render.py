@@ -17,16 +17,16 @@ from collections.abc import Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from types import ModuleType
 
 import jinja2
 
 from .atomic import write_text_atomic
 from .family import KernelFamily
+from .fast_launch import FastModule
 
 _TEMPLATE_PACKAGE = "kernel_factory.kernel_templates"
 _lock = threading.Lock()
-_modules: dict[tuple, ModuleType] = {}
+_modules: dict[tuple, FastModule] = {}
 
 
 def user_cache_dir() -> Path:
@@ -66,8 +66,10 @@ def render(family: KernelFamily, variant: Mapping[str, object]) -> str:
     return header + _environment().get_template(family.template).render(**variant)
 
 
-def load(family: KernelFamily, variant: Mapping[str, object]) -> ModuleType:
-    """Render (once), write to ``<cache>/kernels/<family>_<hash>.py`` (once) and import it."""
+def load(family: KernelFamily, variant: Mapping[str, object]) -> FastModule:
+    """Render (once), write to ``<cache>/kernels/<family>_<hash>.py`` (once) and import it; the
+    module comes wrapped so that its kernels' repeated launches skip the JIT's dispatch
+    (``fast_launch``)."""
     key = (family.name, tuple(sorted(variant.items())))
     module = _modules.get(key)
     if module is not None:
@@ -87,5 +89,5 @@ def load(family: KernelFamily, variant: Mapping[str, object]) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
-        _modules[key] = module
+        module = _modules[key] = FastModule(module)
         return module
