@@ -10,6 +10,9 @@ gradients (shard), and reports, as medians over ``--iters`` steps:
 - ``wall``: ``opt.step()`` from an idle GPU to its last kernel (CUDA events), as ``bench_dist``'s
   step column;
 - ``host``: the host's time inside ``opt.step()`` (perf_counter), the GPU left to run behind;
+- ``queued``: the host's time per step with ``QUEUED`` steps issued back to back behind a held
+  stream, as a training loop issues them (no synchronize before each: ``host`` times a step from
+  an idle host, and moved up to 2x between runs of one code on an H200 machine);
 - ``gpu``: the same step with the stream held back by a sleep kernel long enough for the host to
   issue everything first, then an all-reduce that lines the ranks' streams up (CUDA events around
   the step): the GPU's own time, collectives' latency included;
@@ -56,6 +59,7 @@ from benchmarks.bench_dist import (  # noqa: E402
 from benchmarks.convergence.model import ModelConfig  # noqa: E402
 
 HOLD_CYCLES = 50_000_000  # the sleep kernel's clock cycles: ~25 ms at 2 GHz, longer than any step's host time
+QUEUED = 8  # steps issued back to back for ``queued`` (Muon's 66 launches x 8 stay within the launch queue)
 
 
 def hold(marker: torch.Tensor) -> None:
@@ -70,7 +74,8 @@ def _events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
 
 
 def timed_steps(opt: torch.optim.Optimizer, iters: int) -> dict[str, float]:
-    """Medians of the step's wall, host and GPU time (ms) over ``iters`` steps each."""
+    """Medians of the step's wall, host and GPU time (ms) over ``iters`` steps each, and of the host's
+    time per step over ``max(3, iters // QUEUED)`` rounds of ``QUEUED`` queued steps."""
     wall, host, gpu = [], [], []
     for _ in range(iters):
         dist.barrier()
@@ -94,7 +99,18 @@ def timed_steps(opt: torch.optim.Optimizer, iters: int) -> dict[str, float]:
         end.record()
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end))
-    return {"wall": statistics.median(wall), "host": statistics.median(host), "gpu": statistics.median(gpu)}
+    queued = []
+    for _ in range(max(3, iters // QUEUED)):
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4 * HOLD_CYCLES)  # longer than QUEUED steps' host time
+        t0 = time.perf_counter()
+        for _ in range(QUEUED):
+            opt.step()
+        queued.append((time.perf_counter() - t0) * 1e3 / QUEUED)
+        torch.cuda.synchronize()
+    return {"wall": statistics.median(wall), "host": statistics.median(host), "gpu": statistics.median(gpu),
+            "queued": statistics.median(queued)}  # fmt: skip
 
 
 def kernel_table(opt: torch.optim.Optimizer, steps: int) -> tuple[float, str]:
@@ -269,9 +285,9 @@ def main(argv=None) -> None:
     rows = [run(c, args, model_config, device, world, rank) for c in args.configs.split(",")]
     if rank == 0:
         lines = [f"{world} rank(s), {torch.cuda.get_device_name(device)}, ms per step (medians of {args.iters})",
-                 "", "| config | wall | host | gpu | kernels |", "|---|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {r['config']} | {r['wall']:.3f} | {r['host']:.3f} | {r['gpu']:.3f} | {r['kernels']:.0f} |"
-                  for r in rows]  # fmt: skip
+                 "", "| config | wall | host | gpu | kernels | queued |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['config']} | {r['wall']:.3f} | {r['host']:.3f} | {r['gpu']:.3f} | {r['kernels']:.0f} "
+                  f"| {r['queued']:.3f} |" for r in rows]  # fmt: skip
         lines += ["", collectives]
         (args.out / "step_profile.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
