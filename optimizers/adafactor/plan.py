@@ -24,7 +24,7 @@ from torch import Tensor
 from kernel_factory.generator import ADAFACTOR, detect_arch, load, select
 
 from ..shared import precompile
-from ..shared.buckets import TRITON_DTYPES, LrBuffer, kernel_path, pointer_table, share_step_counts
+from ..shared.buckets import TRITON_DTYPES, LrBuffer, issue, kernel_path, pointer_table, share_step_counts
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local
 from ..shared.grad_table import GradTable
@@ -239,27 +239,20 @@ class AdafactorLaunch:
         The step's launches are formed here once and kept for ``run_norm`` and ``run``."""
         if self.split:
             self._step_launches = self._launches(group, grad_scale, found_inf)
-            self._issue(self._step_launches, ("stats",))
+            issue(self._step_launches, ("stats",))
 
     def run_norm(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """Dim 0 split across ranks, after red1 was added over the shard group: the columns launch and
         the norm launch (this rank's Σ u², Σ p² into red2); nothing otherwise."""
         if self.split:
-            self._issue(self._step_launches or self._launches(group, grad_scale, found_inf), ("columns", "norm"))
+            issue(self._step_launches or self._launches(group, grad_scale, found_inf), ("columns", "norm"))
 
     def run(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """One step of every tensor with ``group``'s hyperparameters (torch.optim.Adafactor's); dim 0
         split across ranks: its last phase (after red2 was added over the shard group)."""
         launches = (self._step_launches if self.split else None) or self._launches(group, grad_scale, found_inf)
         self._step_launches = None
-        self._issue(launches, ("coef", "update") if self.split else ("stats", "norm", "update"))
-
-    @staticmethod
-    def _issue(launches: list[tuple], phases: tuple[str, ...]) -> None:
-        """The launches of ``phases`` (stats, columns, norm, coef, update: the header's order)."""
-        for phase, (kernel, grid, args, kwargs) in launches:
-            if phase in phases:
-                kernel[grid](*args, **kwargs)
+        issue(launches, ("coef", "update") if self.split else ("stats", "norm", "update"))
 
     def _launches(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> list[tuple]:
         """(phase, launch) of every phase of this step (``_issue`` runs them)."""

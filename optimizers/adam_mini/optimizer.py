@@ -373,12 +373,18 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
             if slots is not None:
                 for (_, buffer), numel in zip(slots.buffers, self._block_slots[2], strict=True):
                     buffer.div_(numel)  # sums -> means of g² over each block's elements
+            # v = beta2 v + (1 - beta2) mean, as the kernel's kind 1 forms it: one pair of foreach ops
+            # for all groups of one beta2 (their moments and means in the same order)
+            by_beta2: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
             for group, plans, _, _ in staged:
-                moments = [v for plan in plans for v in plan.block_moments()]
-                if moments:  # v = beta2 v + (1 - beta2) mean, as the kernel's kind 1 forms it
-                    beta2 = float(group["betas"][1])
+                moments, means_of = by_beta2.setdefault(float(group["betas"][1]), ([], []))
+                moments += [v for plan in plans for v in plan.block_moments()]
+                means_of += [m for plan in plans for m in plan.block_means()]
+            for beta2, (moments, means_of) in by_beta2.items():
+                if moments:
                     torch._foreach_mul_(moments, beta2)
-                    torch._foreach_add_(moments, [m for plan in plans for m in plan.block_means()], alpha=1.0 - beta2)
+                    torch._foreach_add_(moments, means_of, alpha=1.0 - beta2)
+            for group, plans, _, _ in staged:
                 for plan in plans:
                     plan.update_given(group, partial(checked_grads, plan.params))
                     self._watch_plan(plan)

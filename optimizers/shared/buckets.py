@@ -6,7 +6,8 @@ same way on one device), whatever the family's hyperparameters:
 - ``share_step_counts``: one device buffer of per-tensor step counts, ``state['step']`` views of it;
 - ``pointer_table`` and ``chunk_work_list``: the device tables a multi-tensor launch reads;
 - ``LrBuffer``: lr as a device tensor, refilled only when a scheduler changes the float;
-- ``log2_pair``: a double split into two fp32 for kernels that need it to ~1e-14.
+- ``log2_pair``: a double split into two fp32 for kernels that need it to ~1e-14;
+- ``issue``: a step's launches of some of its phases (split plans run theirs in parts).
 
 A family's plan (e.g. ``adamw/plan.py``) builds its buckets from these and passes its own
 hyperparameter object to them; nothing here knows any family's hyperparameters.
@@ -151,3 +152,11 @@ def log2_pair(beta: float) -> tuple[float, float]:
     x = math.log2(beta)
     hi = _fp32(x)
     return hi, x - hi
+
+
+def issue(launches: list[tuple], phases: tuple[str, ...]) -> None:
+    """Launch those of ``launches`` ((phase, (kernel, grid, args, kwargs)) in a step's order) whose
+    phase is one of ``phases``."""
+    for phase, (kernel, grid, args, kwargs) in launches:
+        if phase in phases:
+            kernel[grid](*args, **kwargs)

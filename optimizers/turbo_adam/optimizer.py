@@ -280,7 +280,8 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         columns.zero_()
         for (plan, params), group in zip(plans, self.param_groups, strict=True):
             for launch in plan.launches:
-                launch.run_stats(group["betas"], grad_scale, found_inf)
+                launch.run_stats(group["lr"], group["betas"], group["eps"], group["weight_decay"], grad_scale,
+                                 found_inf)  # fmt: skip
             for i in plan.reference:
                 p = params[i]
                 if p in columns and not skip and local(p).numel():

@@ -23,7 +23,15 @@ from torch import Tensor
 from kernel_factory.generator import TURBO_ADAM, detect_arch, load, select
 
 from ..shared import precompile
-from ..shared.buckets import TRITON_DTYPES, LrBuffer, kernel_path, log2_pair, pointer_table, share_step_counts
+from ..shared.buckets import (
+    TRITON_DTYPES,
+    LrBuffer,
+    issue,
+    kernel_path,
+    log2_pair,
+    pointer_table,
+    share_step_counts,
+)
 from ..shared.checks import checked_grads
 from ..shared.dtensor import DTensor, local
 from ..shared.grad_table import GradTable
@@ -109,6 +117,7 @@ class TurboLaunch:
                                   self.variant["param_dtype"], total))  # fmt: skip
         self._kernels: dict[bool, object] = {}
         self._warm: dict[bool, list[precompile.Warm]] = {}  # kernels compiling in the background
+        self._step_launches: list[tuple] | None = None  # formed by run_stats for this step's run
         self._build(seeds)
         if multi_tensor and precompile.enabled(dev):
             self._precompile()
@@ -231,37 +240,36 @@ class TurboLaunch:
             self._column_views = mine
             self._build([int(s) for s in self.meta[: self.n_coded, 3].tolist()])
 
-    def run_stats(self, betas: tuple[float, float], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    def run_stats(self, lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
+                  grad_scale: Tensor | None, found_inf: Tensor | None) -> None:  # fmt: skip
         """Rows split across ranks: the stats launch, which leaves this rank's column sums of g² (and
-        the rows' new statistics) for ``run``; nothing otherwise."""
+        the rows' new statistics) for ``run``; nothing otherwise. The step's launches are formed
+        here once (each gradient's address checked once) and kept for ``run``."""
         if self.split and self.stats_work is not None:
-            self._run(("stats",), None, betas, 0.0, 0.0, grad_scale, found_inf)
+            self._step_launches = self._formed(lr, betas, eps, weight_decay, grad_scale, found_inf)
+            issue(self._step_launches, ("stats",))
 
     def run(self, lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
             grad_scale: Tensor | None, found_inf: Tensor | None) -> None:  # fmt: skip
         """One step of the launch's tensors (where rows are split: after ``run_stats`` and the shard
         group's sum of the column sums)."""
-        phases = ("columns", "update") if self.split else ("stats", "update")
-        self._run(phases, lr, betas, eps, weight_decay, grad_scale, found_inf)
+        launches = self._step_launches or self._formed(lr, betas, eps, weight_decay, grad_scale, found_inf)
+        self._step_launches = None
+        issue(launches, ("columns", "update") if self.split else ("stats", "update"))
 
-    def _run(self, phases: tuple[str, ...], lr, betas, eps, weight_decay, grad_scale, found_inf) -> None:
-        """The launches of ``phases`` (stats, columns, update: a step's order; columns where rows are
-        split)."""
+    def _formed(self, lr, betas, eps, weight_decay, grad_scale, found_inf) -> list[tuple]:
+        """(phase, launch) of every phase of this step (``_issue`` runs them)."""
         scaling = grad_scale is not None or found_inf is not None
         # without GradScaler the kernels read neither: constants made once, no per-step allocation
         gs = grad_scale.to(self.device) if grad_scale is not None else self._one
         fi = found_inf.to(self.device) if found_inf is not None else self._zero
         b1, b2 = (float(b) for b in betas)
         upd = (b2, 1.0 - b1, 1.0 - b2, *log2_pair(b1), *log2_pair(b2), float(eps), float(weight_decay))
-        lr_t = self.lr(lr) if lr is not None else self._zero  # the stats and columns launches read no lr
+        lr_t = self.lr(lr)
         if self.multi_tensor:
             precompile.wait_all(self._warm.pop(scaling, []))
-            launches = self._launches(scaling, self._grads.update(self.sources, self.grads), lr_t, gs, fi, upd)
-        else:
-            launches = self._single_launches(scaling, lr_t, gs, fi, upd)
-        for phase, (kernel, grid, args, kwargs) in launches:
-            if phase in phases:
-                kernel[grid](*args, **kwargs)
+            return self._launches(scaling, self._grads.update(self.sources, self.grads), lr_t, gs, fi, upd)
+        return self._single_launches(scaling, lr_t, gs, fi, upd)
 
     def _launch_configs(self) -> tuple[dict, dict]:
         """The stats launch's and the update launch's compile-time options."""
