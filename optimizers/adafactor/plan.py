@@ -255,7 +255,7 @@ class AdafactorLaunch:
         issue(launches, ("coef", "update") if self.split else ("stats", "norm", "update"))
 
     def _launches(self, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> list[tuple]:
-        """(phase, launch) of every phase of this step (``_issue`` runs them)."""
+        """(phase, launch) of every phase of this step (``issue`` runs them)."""
         eps1, eps2 = group["eps"]
         eps1 = torch.finfo(self.params[0].dtype).eps if eps1 is None else float(eps1)
         scaling = grad_scale is not None or found_inf is not None

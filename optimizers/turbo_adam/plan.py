@@ -258,7 +258,7 @@ class TurboLaunch:
         issue(launches, ("columns", "update") if self.split else ("stats", "update"))
 
     def _formed(self, lr, betas, eps, weight_decay, grad_scale, found_inf) -> list[tuple]:
-        """(phase, launch) of every phase of this step (``_issue`` runs them)."""
+        """(phase, launch) of every phase of this step (``issue`` runs them)."""
         scaling = grad_scale is not None or found_inf is not None
         # without GradScaler the kernels read neither: constants made once, no per-step allocation
         gs = grad_scale.to(self.device) if grad_scale is not None else self._one
