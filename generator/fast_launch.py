@@ -15,7 +15,9 @@ type, a float's type only (Triton never specializes a float argument), None, the
 arguments, the current device. A launch whose key was seen goes straight to that variant's
 launcher on the current stream; any other launch (first of its key, an argument of another type,
 such as a tensor descriptor, a callable grid, launch hooks installed, the interpreter) goes through
-the JIT as before, which compiles what it must and reports errors as it would.
+the JIT as before, which compiles what it must and reports errors as it would. Where a Triton's
+launcher takes other arguments than 3.6-3.9's (a TypeError at the first direct launch) or it has
+no ``triton.knobs`` (before 3.4), every launch takes the JIT.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ class FastKernel:
         x = grid[0]
         y = grid[1] if len(grid) > 1 else 1
         z = grid[2] if len(grid) > 2 else 1
-        run(x, y, z, stream, function, metadata, None, None, None, *args, *tail)
+        try:
+            run(x, y, z, stream, function, metadata, None, None, None, *args, *tail)
+        except TypeError:  # a launcher that takes its arguments otherwise (a Triton other than 3.6-3.9)
+            _give_up()
+            return self.kernel[grid](*args, **kwargs)
         return compiled
 
     def _first(self, key: tuple, grid: tuple, args: tuple, kwargs: dict):
@@ -142,17 +148,35 @@ class FastKernel:
 
 def _hooks() -> bool:
     """Whether a launch hook is installed (a profiler's): such launches take the JIT, which calls it.
-    A hook is a callable or None (Triton 3.6), or a chain of them, empty when none is (later ones)."""
+    A hook is a callable or None (Triton 3.6), or a chain of them, empty when none is (later ones).
+    A Triton without ``triton.knobs`` (before 3.4) keeps its hooks elsewhere: its launches all take
+    the JIT."""
     if not _RUNTIME:
         import triton
 
-        _RUNTIME.append(triton.knobs.runtime)
-    enter, leave = _RUNTIME[0].launch_enter_hook, _RUNTIME[0].launch_exit_hook
+        _RUNTIME.append(getattr(getattr(triton, "knobs", None), "runtime", None))
+    runtime = _RUNTIME[0]
+    if runtime is None:
+        return True
+    enter = getattr(runtime, "launch_enter_hook", None)
+    leave = getattr(runtime, "launch_exit_hook", None)
     return (enter is not None and bool(getattr(enter, "calls", True))) or (
         leave is not None and bool(getattr(leave, "calls", True)))
 
 
-_RUNTIME: list = []  # triton.knobs.runtime, imported at the first launch
+_RUNTIME: list = []  # triton.knobs.runtime (None where there is none), found at the first launch
+
+
+def _give_up() -> None:
+    """Every launch from now on through the JIT, with one warning: a compiled variant's launcher
+    refused the arguments the JIT passes it (its Triton calls it otherwise)."""
+    global ENABLED
+    if ENABLED:
+        ENABLED = False
+        import warnings
+
+        warnings.warn("kernel_factory: Triton's launcher takes its arguments otherwise than expected; every "
+                      "launch goes through the JIT (as with KERNEL_FACTORY_FAST_LAUNCH=0)", stacklevel=3)  # fmt: skip
 
 
 class FastModule:

@@ -164,3 +164,35 @@ def test_triton_kernels_launched_directly_compute_what_the_jit_does():
         torch.testing.assert_close(out, torch.addcmul(torch.full_like(src, b), src, torch.full_like(src, x)),
                                    rtol=1e-6, atol=1e-6)  # fp32 FMA on both sides, rounding may differ by an ulp
         assert len(k._variants) == (1 if step < 2 else 2), "aligned and misaligned views are two variants"
+
+
+def test_a_launcher_that_refuses_the_arguments_sends_every_launch_to_the_jit(monkeypatch):
+    class Refusing(Compiled):
+        def run(self, *args):
+            raise TypeError("function takes exactly 30 arguments (28 given)")
+
+    class Kernel(StandInKernel):
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.log.append(("jit", grid, args, kwargs))
+                return Refusing(self.log)
+
+            return launch
+
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    kernel = Kernel()
+    k = FastKernel(kernel, stream=lambda: STREAM)
+    t = torch.zeros(16)
+    with pytest.warns(UserWarning, match="through the JIT"):
+        for _ in range(3):
+            k[(4,)](t, 1, 0.5, BLOCK=64)
+    assert kinds(kernel) == ["jit", "jit", "jit"] and fast_launch.ENABLED is False
+
+
+def test_a_triton_without_knobs_launches_through_the_jit(monkeypatch):
+    monkeypatch.setattr(fast_launch, "_RUNTIME", [None])
+    kernel, k = fast()
+    t = torch.zeros(16)
+    for _ in range(3):
+        k[(4,)](t, 1, 0.5, BLOCK=64)
+    assert kinds(kernel) == ["jit", "jit", "jit"]
