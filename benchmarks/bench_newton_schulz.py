@@ -72,10 +72,13 @@ def ns_rows(shapes: list[tuple[int, int]], tflops: float) -> list[str]:
     return rows
 
 
-def host_ms(fn, reps: int = 20) -> float:
+def host_ms(fn, reps: int = 20, hold_cycles: int = 0) -> float:
     """Milliseconds of host time to issue ``fn()``: the GPU is synchronized before and after the
-    ``reps`` calls, not between them, so the host does not wait on it."""
+    ``reps`` calls, not between them, so the host does not wait on it; ``hold_cycles``: a sleep
+    kernel of that many clock cycles queued first, the GPU busy while the calls are issued."""
     torch.cuda.synchronize()
+    if hold_cycles:
+        torch.cuda._sleep(hold_cycles)
     start = time.perf_counter()
     for _ in range(reps):
         fn()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
+from benchmarks.bench_newton_schulz import host_ms  # noqa: E402
 from kernel_factory.generator.fast_launch import FastKernel  # noqa: E402
 
 
@@ -32,14 +32,8 @@ def scale_shift(src, dst, a2, a3, a4, a5, n, n1, n2, n3, x, x1, x2, x3, x4, BLOC
 
 
 def per_launch_us(launch, launches: int) -> float:
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # ~25 ms: longer than the launches take to issue
-    start = time.perf_counter()
-    for _ in range(launches):
-        launch()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / launches * 1e6
+    """Host microseconds per ``launch()``, issued behind a ~25 ms sleep (longer than they take)."""
+    return host_ms(launch, launches, hold_cycles=50_000_000) * 1e3
 
 
 def main(argv=None) -> None:
