@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import pickle
 
 import pytest
 import torch
@@ -168,6 +169,36 @@ def test_state_dict_round_trip_and_lr_scheduler():
     _run(opt_b, b, 3, seed=7, sched=sched_b)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert set(opt_b.state[b[0]]) == {"momentum_buffer"} and "exp_avg" in opt_b.state[b[1]]
+
+
+def test_add_param_group_splits_a_group_as_the_constructor_does():
+    """A new group's matrices go to Muon and its vectors to AdamW with the group's adamw_* values (as
+    the constructor would split it), use_muon overrides with the constructor's error, and a copy of
+    the optimizer keeps the AdamW defaults it splits with."""
+    w, b = torch.randn(32, 16), torch.randn(32)
+    opt = Muon([torch.randn(16, 16)], lr=0.02, adamw_lr=1e-3, adamw_betas=(0.8, 0.9))
+    opt.add_param_group({"params": [w, b], "lr": 0.01, "adamw_weight_decay": 0.05})
+    added = opt.param_groups[1:]
+    assert [(g["use_muon"], g["lr"]) for g in added] == [(True, 0.01), (False, 1e-3)]
+    assert added[0]["params"][0] is w and added[1]["params"][0] is b and added[1]["weight_decay"] == 0.05
+    twin = b.clone()
+    ref = torch.optim.AdamW([twin], lr=1e-3, betas=(0.8, 0.9), weight_decay=0.05)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for p in opt.param_groups[0]["params"] + [w]:
+            p.grad = torch.randn(p.shape, generator=gen)
+        b.grad = torch.randn(b.shape, generator=gen)
+        twin.grad = b.grad.clone()
+        opt.step()
+        ref.step()
+    assert compare_tensors("bias", "param", b, twin, drift_tol(3)).passed  # AdamW's step, not Muon's
+    opt.add_param_group({"params": [torch.randn(8)], "use_muon": False})
+    assert opt.param_groups[-1]["use_muon"] is False and opt.param_groups[-1]["betas"] == (0.8, 0.9)
+    with pytest.raises(ValueError, match="ndim >= 2"):
+        opt.add_param_group({"params": [torch.randn(8)], "use_muon": True})
+    copy = pickle.loads(pickle.dumps(opt))
+    copy.add_param_group({"params": [torch.randn(4)]})
+    assert copy.param_groups[-1]["use_muon"] is False and copy.param_groups[-1]["lr"] == 1e-3
 
 
 def test_bad_arguments_name_the_parameter():

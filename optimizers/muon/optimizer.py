@@ -27,6 +27,7 @@ from ..shared.checks import (
 )
 from ..shared.dtensor import DTensor
 from ..shared.eager import eager_step
+from ..shared.picklable import KeepsSettings
 from ..shared.state_dict import checked_load, own_loaded_state
 from ..shared.steppers import GroupPlan, group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, Telemetry
@@ -49,7 +50,7 @@ def uses_muon(name: str | None, p: Tensor, adamw_names: Iterable[str] = ADAMW_NA
     return not any(s in lowered for s in adamw_names)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(KeepsSettings, torch.optim.Optimizer):
     """Muon for hidden matrices, AdamW for the rest.
 
     Args: as ``torch.optim.Muon``: ``params`` (tensors, (name, tensor) pairs as from
@@ -69,6 +70,9 @@ class Muon(torch.optim.Optimizer):
     ``telemetry.time_steps = True``. Like torch.optim.Muon it takes no ``found_inf``: GradScaler
     checks for infs and skips ``step()`` itself, so ``steps`` counts the steps that ran.
     """
+
+    _settings = ("adamw_names", "adamw_defaults")  # pickled (KeepsSettings): add_param_group splits with them
+    _constructing = False  # True while torch's __init__ adds the constructor's groups
 
     def __init__(
         self,
@@ -105,9 +109,10 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True)  # fmt: skip
+        self._constructing = True  # torch's __init__ adds the groups split here one by one
         super().__init__(self._split_groups(precompile.begin(params)), defaults)
-        self._plans: dict[int, GroupPlan] = {}  # by group index
-        self.telemetry = Telemetry(AMAX_UPDATE)
+        self._constructing = False
+        self._new_caches()
         precompile.plan_ahead(self, self._plan_ahead)  # plans built now, kernels compiling in the background
 
     def _plan_ahead(self, index: int, group: dict, params: list[Tensor]) -> None:
@@ -158,16 +163,19 @@ class Muon(torch.optim.Optimizer):
                 out.append({**adamw, "params": split[False], "use_muon": False})
         return out
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._plans = {}
+    def _new_caches(self) -> None:
+        self._plans: dict[int, GroupPlan] = {}  # by group index
         self.telemetry = Telemetry(AMAX_UPDATE)
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, then the new params' state is created (momentum buffers, or AdamW's moments)."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        (init_muon_group_state if group["use_muon"] else group_state_init("adamw"))(group, self.state)
+        """torch's, for each group the constructor makes of ``param_group`` (Muon's matrices and
+        AdamW's rest, or all on the side its ``use_muon`` names, with the constructor's errors; an
+        empty group as it is), then the new params' state (momentum buffers, or AdamW's moments)."""
+        groups = [param_group] if self._constructing else self._split_groups([param_group]) or [param_group]
+        for group in groups:
+            super().add_param_group(group)
+            added = self.param_groups[-1]
+            (init_muon_group_state if added["use_muon"] else group_state_init("adamw"))(added, self.state)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader (which also takes DCP's name-keyed state dicts, and casts the momentum to
