@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 OPTIMIZERS = Path(__file__).resolve().parent.parent / "optimizers"
 NOT_FAMILIES = {"shared", "parity"}
 FAMILIES = sorted(d.name for d in OPTIMIZERS.iterdir() if (d / "__init__.py").exists() and d.name not in NOT_FAMILIES)
@@ -56,3 +58,19 @@ def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path):
     module.write_text("from ..adamw.plan import a\nfrom .. import adam_mini\n"
                       "import kernel_factory.optimizers.shared.buckets\n")
     assert imported_subpackages(module) == {"adamw", "adam_mini", "shared"}
+
+
+def test_every_package_folder_is_installed():
+    """``pip install .`` (not editable) installs the packages pyproject lists, and no others: a
+    folder with an ``__init__.py`` left off the list is missing from the wheel, and
+    ``kernel_factory.optimizers`` then fails to import."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = OPTIMIZERS.parent
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    found = set()
+    for name, folder in setuptools["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            sub = init.parent.relative_to(root / folder).parts
+            if "__pycache__" not in sub:
+                found.add(".".join((name, *sub)))
+    assert found == set(setuptools["packages"]), sorted(found ^ set(setuptools["packages"]))
