@@ -88,6 +88,35 @@ def test_factored_codes_keep_values_on_their_grid_and_zero_rows_at_zero():
     assert float(back[2].abs().max()) == 0.0
 
 
+def test_a_row_whose_first_gradient_comes_late_steps_as_adamw_does():
+    assert_a_late_row_steps_as_adamw_does()
+
+
+def assert_a_late_row_steps_as_adamw_does():
+    """A row (an embedding's token) with its first gradient at step 3 and none at step 4: step 3's
+    codes are written against statistics that already hold that gradient, so step 4 moves the row
+    as AdamW does (a codec whose base lagged the gradient by a step lost that v, decoded against
+    the row's zero statistics, and step 4 moved the row 50x further than AdamW)."""
+    gen = torch.Generator().manual_seed(0)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    p, exact_p = torch.nn.Parameter(torch.zeros(8, 1024)), torch.nn.Parameter(torch.zeros(8, 1024))
+    opt, exact = TurboAdam([p], **hyper), torch.optim.AdamW([exact_p], foreach=False, **hyper)
+    for step in range(1, 6):
+        g = torch.zeros(8, 1024)
+        if step == 1:
+            g[0] = 1e-3 * torch.randn(1024, generator=gen)
+        if step == 3:
+            g[1] = 1e-3 * torch.randn(1024, generator=gen)
+        for q, o in ((p, opt), (exact_p, exact)):
+            with torch.no_grad():
+                q.zero_()
+            q.grad = g.clone()
+            o.step()
+        if step >= 3:  # the update is -p; its norm within the codes' spread of AdamW's
+            ratio = float(p.detach()[1].norm() / exact_p.detach()[1].norm())
+            assert 0.7 < ratio < 1.4, (step, ratio)
+
+
 def test_state_layout_dtypes_and_a_weights_only_round_trip(tmp_path):
     torch.manual_seed(0)
     w, small = torch.nn.Parameter(torch.randn(512, 512)), torch.nn.Parameter(torch.randn(100))

@@ -156,3 +156,10 @@ def test_configs_give_the_same_result(monkeypatch):
     for key in s0:
         if s0[key].dtype == torch.uint8:
             assert (s0[key] != s1[key]).float().mean() <= CODE_FLIPS, key
+
+
+def test_a_row_whose_first_gradient_comes_late_steps_as_adamw_does_on_the_kernels(monkeypatch):
+    from test_turbo_adam_cpu import assert_a_late_row_steps_as_adamw_does
+
+    monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
+    assert_a_late_row_steps_as_adamw_does()
