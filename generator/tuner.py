@@ -137,8 +137,9 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
     )  # fmt: skip
     if not study.trials:
         study.enqueue_trial(dict(family.default_config))
-        if warm_start and set(warm_start) == {t.name for t in family.tunables} and warm_start != family.default_config:
-            study.enqueue_trial(dict(warm_start))
+        warm = _warm_config(family, warm_start) if warm_start else None
+        if warm is not None and warm != family.default_config:
+            study.enqueue_trial(warm)
         for config in family.seed_configs:  # alternatives the sampler would rarely draw
             study.enqueue_trial(dict(config))
     seen = {_config_key(t.params): t for t in study.trials if _ran(t) and t.params}
@@ -199,6 +200,16 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
     if final_rounds and result.best is not None and result.default_p50 is not None:
         _paired_timing(task, timer, result, final_rounds)
     return result
+
+
+def _warm_config(family: KernelFamily, config: Mapping) -> dict | None:
+    """A cache entry's config (tuned on any template version) as a starting point under the
+    family's tunables now: keys no longer tunable left out, new ones at their defaults; None where
+    a value is no longer among its tunable's choices or the result is illegal."""
+    warm = {t.name: config.get(t.name, t.default) for t in family.tunables}
+    if any(warm[t.name] not in t.choices for t in family.tunables) or not family.is_legal(warm):
+        return None
+    return warm
 
 
 def _ran(trial) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_factory.generator import ADAMW, interpreter_enabled
-from kernel_factory.generator.tuner import PRECOMPILE_BATCH, classify, tune
+from kernel_factory.generator.tuner import PRECOMPILE_BATCH, _warm_config, classify, tune
 from kernel_factory.optimizers.adamw.tune import AdamWTuningTask
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
@@ -142,6 +142,21 @@ def test_previous_cache_config_is_tried_second_whatever_its_template_version(tmp
                                                    "entries": [entry]}))  # fmt: skip
     _tune(task, tmp_path, trials=3)
     assert task.configured[:2] == [dict(ADAMW.default_config), prior]
+
+
+def test_a_previous_config_of_other_tunables_is_tried_second_on_the_tunables_now(tmp_path):
+    """A tunable added since (num_stages here) takes its default, one dropped since is left out; a
+    value that is no longer a choice makes no starting point."""
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    prior = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "BAND": 64}
+    entry = {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": 512, "config": prior}
+    (tmp_path / "cpu.json").write_text(json.dumps({"schema": 1, "template_hashes": {"adamw": "old"},
+                                                   "entries": [entry]}))  # fmt: skip
+    _tune(task, tmp_path, trials=3)
+    warm = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "num_stages": ADAMW.default_config["num_stages"]}
+    assert task.configured[:2] == [dict(ADAMW.default_config), warm]
+    assert _warm_config(ADAMW, {**prior, "BLOCK": 3}) is None  # not a BLOCK the family offers
+    assert _warm_config(ADAMW, {**prior, "BLOCK": 256, "CHUNK": 128}) is None  # illegal (CHUNK < BLOCK)
 
 
 def test_family_seed_configs_are_tried_right_after_the_default(tmp_path):
