@@ -146,7 +146,8 @@ def test_previous_cache_config_is_tried_second_whatever_its_template_version(tmp
 
 def test_a_previous_config_of_other_tunables_is_tried_second_on_the_tunables_now(tmp_path):
     """A tunable added since (num_stages here) takes its default, one dropped since is left out; a
-    value that is no longer a choice makes no starting point."""
+    value that is no longer a choice, or a config the family no longer allows, makes no starting
+    point."""
     task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
     prior = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "BAND": 64}
     entry = {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": 512, "config": prior}
@@ -156,7 +157,7 @@ def test_a_previous_config_of_other_tunables_is_tried_second_on_the_tunables_now
     warm = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "num_stages": ADAMW.default_config["num_stages"]}
     assert task.configured[:2] == [dict(ADAMW.default_config), warm]
     assert _warm_config(ADAMW, {**prior, "BLOCK": 3}) is None  # not a BLOCK the family offers
-    assert _warm_config(ADAMW, {**prior, "BLOCK": 256, "CHUNK": 128}) is None  # illegal (CHUNK < BLOCK)
+    assert _warm_config(ADAMW, {**prior, "BLOCK": 4096, "num_warps": 1}) is None  # illegal: 128 elements a thread
 
 
 def test_family_seed_configs_are_tried_right_after_the_default(tmp_path):
