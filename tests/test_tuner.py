@@ -134,13 +134,19 @@ def test_resume_continues_the_study_without_rerunning(tmp_path):
     assert dict(ADAMW.default_config) not in second.configured  # not enqueued again
 
 
-def test_previous_cache_config_is_tried_second_whatever_its_template_version(tmp_path):
+def _tuned_after_an_old_entry(tmp_path, config: dict) -> Recorder:
+    """A study of one AdamW key whose output file holds ``config``, tuned on another template."""
     task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
-    prior = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "num_stages": 2}
-    entry = {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": 512, "config": prior}
+    entry = {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": 512, "config": config}
     (tmp_path / "cpu.json").write_text(json.dumps({"schema": 1, "template_hashes": {"adamw": "old"},
                                                    "entries": [entry]}))  # fmt: skip
     _tune(task, tmp_path, trials=3)
+    return task
+
+
+def test_previous_cache_config_is_tried_second_whatever_its_template_version(tmp_path):
+    prior = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "num_stages": 2}
+    task = _tuned_after_an_old_entry(tmp_path, prior)
     assert task.configured[:2] == [dict(ADAMW.default_config), prior]
 
 
@@ -148,12 +154,8 @@ def test_a_previous_config_of_other_tunables_is_tried_second_on_the_tunables_now
     """A tunable added since (num_stages here) takes its default, one dropped since is left out; a
     value that is no longer a choice, or a config the family no longer allows, makes no starting
     point."""
-    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
     prior = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "BAND": 64}
-    entry = {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": 512, "config": prior}
-    (tmp_path / "cpu.json").write_text(json.dumps({"schema": 1, "template_hashes": {"adamw": "old"},
-                                                   "entries": [entry]}))  # fmt: skip
-    _tune(task, tmp_path, trials=3)
+    task = _tuned_after_an_old_entry(tmp_path, prior)
     warm = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "num_stages": ADAMW.default_config["num_stages"]}
     assert task.configured[:2] == [dict(ADAMW.default_config), warm]
     assert _warm_config(ADAMW, {**prior, "BLOCK": 3}) is None  # not a BLOCK the family offers
