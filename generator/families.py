@@ -166,7 +166,9 @@ MUON = KernelFamily(
         "nesterov": (True, False),
     },
     tuning_axes=("multi_tensor",),
-    tune_sizes=(1 << 27,),  # the 134M Llama-style list's 84 hidden matrices (85M elements)
+    # the hidden matrices of the models' lists (workloads.model_at_bucket(hidden=True)): 134M's 84
+    # (85M elements), Qwen2.5-0.5B's, Llama-3.2-1B's (Llama-2-7B x 4's share its bucket)
+    tune_sizes=(1 << 27, 1 << 29, 1 << 30),
     # Default: 64 x 64 tiles, 4 warps; square tiles keep a transposed tile's reads as long as its
     # writes. The tuned config is in sm90.json.
     tunables=(
@@ -224,7 +226,7 @@ TURBO_ADAM = KernelFamily(
         "split_rows": (False, True),
     },
     tuning_axes=("multi_tensor", "m_codec", "v_codec"),
-    tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list
+    tune_sizes=(1 << 27, 1 << 29, 1 << 30, 1 << 31),  # the models' lists (workloads.model_at_bucket)
     # Default: tiles of 2 groups (256 columns) of a row with one warp (2 elements of each plane per
     # thread) at most 64 registers, programs of 16 rows x 1 tile, stats bands of 128 rows: the
     # fastest of eight configs timed on the H200 (134M list: fp32 0.79 ms, bf16 0.70 ms; the
@@ -268,7 +270,7 @@ ADAFACTOR = KernelFamily(
         "split_rows": (False, True),
     },
     tuning_axes=("multi_tensor", "state_codec"),
-    tune_sizes=(1 << 27,),  # the 134M-parameter Llama-style list
+    tune_sizes=(1 << 27, 1 << 29, 1 << 30, 1 << 31),  # the models' lists (workloads.model_at_bucket)
     # Default: tiles of 16 rows x 256 columns with 4 warps (32 elements a thread), stats bands of
     # 256 rows: the best of eight configs timed on the H100 for bf16 params and within 2% of the
     # best for fp32 (134M list: fp32 1.11 ms, bf16 0.64 ms); the stats launch's iterations of 16

@@ -336,7 +336,7 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
     for i, task in enumerate(tasks):
         seconds = (deadline - time.monotonic()) / (len(tasks) - i)
         result = tune_task(task, arch, timer, trials=trials, seconds=seconds, storage=storage,
-                           progress=bar.update if bar else None, warm_start=prior.get(_cache_key(task)),
+                           progress=bar.update if bar else None, warm_start=_starting_point(prior, _cache_key(task)),
                            final_rounds=final_rounds)  # fmt: skip
         results.append(result)
         if result.best is not None:
@@ -347,6 +347,18 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
     if bar is not None:
         bar.close()
     return results
+
+
+def _starting_point(prior: Mapping[tuple, dict], key: tuple) -> dict | None:
+    """The config a key's study tries after the default: its own entry in the output file, else
+    the entry of the nearest bucket of the same family, variant and dtype (what the lookup gives
+    the key until it is tuned, so a short study of a new bucket starts from there); None if neither."""
+    if key in prior:
+        return prior[key]
+    same = [k for k in prior if k[:3] == key[:3]]
+    if not same:
+        return None
+    return prior[min(same, key=lambda k: (abs(math.log2(k[3]) - math.log2(key[3])), k[3]))]
 
 
 def _bar(total: int):

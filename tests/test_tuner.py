@@ -350,3 +350,46 @@ def test_adam_mini_tasks_are_the_models_at_their_buckets_and_allocate_when_first
     assert len(names) == 4 * 3 and len(set(names)) == len(names)  # fp32: FP8 and fp32 momentum; bf16: FP8
     assert "adam_mini multi_tensor=False,momentum=float8e4nv bfloat16 2147483648" in names
     assert all(t.opt is None and t.floor_ms is None for t in tasks)  # nothing allocated yet
+
+
+def test_the_tuner_has_a_task_for_every_key_the_models_look_up():
+    """For each model of the bench (fp32 and bf16 params), every family's lookup (as in
+    test_cache's every-model check) is a key some tuner task tunes; building the tasks allocates
+    nothing (a model is allocated when its task is first used)."""
+    from kernel_factory.generator import ADAFACTOR, ADAM_MINI, ADAMW, MUON, TURBO_ADAM, size_bucket
+    from kernel_factory.generator.tuner import key_name
+    from kernel_factory.optimizers.tune import FAMILY_TASKS
+    from kernel_factory.optimizers.shared.workloads import MODELS, hidden_matrices, llama_param_shapes
+
+    tasks = [t for family in ("adamw", "adam_mini", "muon", "turbo_adam", "adafactor")
+             for t in FAMILY_TASKS[family](["fp32", "bf16"], "cpu", None)]  # fmt: skip
+    assert all(t.opt is None for t in tasks)
+    # CPU tasks name the single-tensor variant where the family has one for the interpreter
+    tuned = {key_name(t).replace("multi_tensor=False", "multi_tensor=True") for t in tasks}
+    for name, config in MODELS.items():
+        shapes = llama_param_shapes(**config)
+        numel, hidden = (sum(math.prod(s) for _, s in ss) for ss in (shapes, hidden_matrices(shapes)))
+        for dtype in ("float32", "bfloat16"):
+            for family, axes, n in [
+                (ADAMW, dict(param_dtype=dtype, state_dtype=dtype), numel),
+                (ADAM_MINI, dict(param_dtype=dtype, momentum="float8e4nv"), numel),
+                (MUON, dict(param_dtype=dtype), hidden),
+                (TURBO_ADAM, dict(param_dtype=dtype, m_codec="q4", v_codec="factored"), numel),
+                (ADAFACTOR, dict(param_dtype=dtype, state_codec="log8"), numel),
+            ]:
+                variant = family.tuning_key(family.variant(multi_tensor=True, **axes))
+                assert f"{family.name} {variant} {dtype} {size_bucket(n)}" in tuned, (name, family.name, dtype)
+
+
+def test_a_new_bucket_starts_from_the_nearest_buckets_entry(tmp_path):
+    """A key without an entry tries, after the default, the config of the nearest bucket of the same
+    family, variant and dtype in the output file (the one its lookup gives until it is tuned)."""
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    near, far = ({"BLOCK": b, "CHUNK": 2048, "num_warps": 2, "num_stages": 2} for b in (1024, 256))
+    entries = [{"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": bucket, "config": c}
+               for bucket, c in ((2048, near), (1 << 20, far))]  # fmt: skip
+    other = {"family": "adamw", "variant": task.variant, "dtype": "bfloat16", "bucket": 512,
+             "config": dict(far, num_warps=4)}  # fmt: skip
+    (tmp_path / "cpu.json").write_text(json.dumps({"schema": 1, "template_hashes": {}, "entries": [*entries, other]}))
+    _tune(task, tmp_path, trials=3)
+    assert task.configured[:2] == [dict(ADAMW.default_config), near]

@@ -1,17 +1,21 @@
-"""The Adafactor tuning workloads: the 134M Llama-style list in each param dtype, with 8-bit and
-fp32 statistics, each launch checked against the PyTorch path. Used by
-``python -m kernel_factory.optimizers.tune --families adafactor``.
+"""The Adafactor tuning workloads: the parameter list of the model at each of the family's tune
+sizes (``workloads.model_at_bucket``) in each param dtype, with 8-bit and fp32 statistics, each
+launch checked against the PyTorch path. A task allocates its model when first used and frees it
+after its study. Used by ``python -m kernel_factory.optimizers.tune --families adafactor``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from kernel_factory.generator import ADAFACTOR, size_bucket
 
 from ..parity import compare_tensors
-from ..shared.tuning import InPlaceTask
-from ..shared.workloads import SHAPE_SETS
+from ..shared.buckets import TRITON_DTYPES
+from ..shared.tuning import ModelWorkloadTask
+from ..shared.workloads import SHAPE_SETS, model_at
 from .optimizer import Adafactor, ReferenceAdafactor
 from .plan import AdafactorLaunch
 
@@ -21,35 +25,43 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # on the params for bf16 / fp16 ones (one rounding of the param: 2^-8, 2^-11 relative at most).
 TOL = {torch.float32: 1e-4, torch.bfloat16: 4e-3, torch.float16: 5e-4}
 CODE_FLIPS = 1e-3  # fraction of all code bytes allowed to differ from the PyTorch path's
+STATE_CODECS = {8: "log8", 32: "fp32"}  # state_bits -> the family's state_codec axis
 
 
-class AdafactorTuningTask(InPlaceTask):
-    """The fused launches of one param dtype and state codec on the 134M list as a tuner task."""
+class AdafactorTuningTask(ModelWorkloadTask):
+    """The fused launches of one param dtype and state codec on a model's parameter list as a tuner task."""
 
     family = ADAFACTOR
+    WORKLOAD = (*ModelWorkloadTask.WORKLOAD, "launch", "group")
 
     def __init__(self, dtype: torch.dtype, state_bits: int, device: str, bandwidth_tbs: float | None = None,
-                 seed: int = 0) -> None:  # fmt: skip
-        gen = torch.Generator(device=device).manual_seed(seed)
-        shapes = [s for _, s in SHAPE_SETS["llama134m"]]
-        self.params = [torch.nn.Parameter((torch.randn(s, device=device, generator=gen) * 0.02).to(dtype))
-                       for s in shapes]  # fmt: skip
+                 seed: int = 0, model: str = "llama134m") -> None:  # fmt: skip
+        self.param_dtype, self.state_bits, self.device, self.seed, self.model = dtype, state_bits, device, seed, model
+        self.variant = ADAFACTOR.tuning_key(ADAFACTOR.variant(
+            multi_tensor=torch.device(device).type == "cuda", state_codec=STATE_CODECS[state_bits]))  # fmt: skip
+        self.dtype = TRITON_DTYPES[dtype]
+        numel = sum(math.prod(s) for _, s in SHAPE_SETS[model])
+        self.numel = size_bucket(numel)
+        # three passes: g read three times, p read twice and written once (the statistics are noise)
+        self.floor_ms = numel * 6 * dtype.itemsize / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
+        self.tol = TOL[dtype]
+
+    def allocate(self) -> None:
+        """Allocate params, grads and the optimizer; build its plan with one step."""
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        dtype = self.param_dtype
+        self.params = [torch.nn.Parameter((torch.randn(s, device=self.device, generator=gen) * 0.02).to(dtype))
+                       for _, s in SHAPE_SETS[self.model]]  # fmt: skip
         for p in self.params:
-            p.grad = torch.randn(p.shape, device=device, generator=gen).to(dtype)
-        self.opt = Adafactor(self.params, lr=1e-2, weight_decay=0.01, state_bits=state_bits)
+            p.grad = torch.randn(p.shape, device=self.device, generator=gen).to(dtype)
+        self.opt = Adafactor(self.params, lr=1e-2, weight_decay=0.01, state_bits=self.state_bits)
         self.opt.step()  # builds the plan
         (plan,) = self.opt._plans.values()
         if len(plan.launches) != 1 or plan.reference:
             raise RuntimeError("Adafactor tuning needs the fused path for every tensor (CUDA)")
         self.launch: AdafactorLaunch = plan.launches[0]
         self.group = self.opt.param_groups[0]
-        self.variant = ADAFACTOR.tuning_key(ADAFACTOR.variant(**self.launch.variant))
-        self.dtype = self.launch.variant["param_dtype"]
-        numel = sum(p.numel() for p in self.params)
-        self.numel = size_bucket(numel)
-        # three passes: g read three times, p read twice and written once (the statistics are noise)
-        self.floor_ms = numel * 6 * dtype.itemsize / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
-        self.tol = TOL[dtype]
+        self.expect_variant(ADAFACTOR, ADAFACTOR.variant(**self.launch.variant))
         self.snapshot(self._tensors())
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -57,11 +69,13 @@ class AdafactorTuningTask(InPlaceTask):
         return [*self.launch.params, *states, self.launch.steps]
 
     def configure(self, config) -> None:
+        self.ensure()
         self.launch.configure(config)
         self.run()  # compiles here, so compile failures are typed as such
         self._sync()
 
     def run(self) -> None:
+        self.ensure()
         self.launch.run(self.group, None, None)
 
     def check(self) -> float:
@@ -101,5 +115,6 @@ class AdafactorTuningTask(InPlaceTask):
 
 
 def adafactor_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[AdafactorTuningTask]:
-    """The Adafactor keys: each dtype x state codec on the 134M list."""
-    return [AdafactorTuningTask(DTYPES[d], bits, device, bandwidth_tbs) for d in dtypes for bits in (8, 32)]
+    """The Adafactor keys: each tune size's model x dtype x state codec."""
+    return [AdafactorTuningTask(DTYPES[d], bits, device, bandwidth_tbs, model=model_at(ADAFACTOR, numel))
+            for numel in ADAFACTOR.tune_sizes for d in dtypes for bits in STATE_CODECS]  # fmt: skip

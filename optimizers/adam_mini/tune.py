@@ -19,8 +19,8 @@ from kernel_factory.generator import ADAM_MINI, size_bucket
 from ..parity import compare_tensors
 from ..shared import precompile
 from ..shared.buckets import TRITON_DTYPES
-from ..shared.tuning import InPlaceTask
-from ..shared.workloads import MODELS, SHAPE_SETS, model_at_bucket
+from ..shared.tuning import ModelWorkloadTask
+from ..shared.workloads import MODELS, SHAPE_SETS, model_at
 from .fp8 import dequantize
 from .optimizer import AdamMini
 from .plan import MOMENTUM_TRITON
@@ -32,10 +32,12 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 MOMENTUM = {"fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 
 
-class AdamMiniTuningTask(InPlaceTask):
+class AdamMiniTuningTask(ModelWorkloadTask):
     """One AdamMini step (param dtype, momentum dtype) on a model's parameter list as a tuner task."""
 
     family = ADAM_MINI
+    WORKLOAD = (*ModelWorkloadTask.WORKLOAD, "plans")
+    plans: list = []
 
     def __init__(self, model: str, dtype: torch.dtype, momentum: str, device: str,
                  bandwidth_tbs: float | None = None, seed: int = 0) -> None:  # fmt: skip
@@ -47,14 +49,10 @@ class AdamMiniTuningTask(InPlaceTask):
             momentum=MOMENTUM_TRITON[MOMENTUM[momentum]]))  # fmt: skip
         self.dtype = TRITON_DTYPES[dtype]
         self.numel = size_bucket(sum(math.prod(s) for _, s in SHAPE_SETS[model]))
-        self.floor_ms = None  # known once the state exists (_build)
         self.tol = TOL[dtype]
-        self.opt = None
 
-    def _build(self) -> None:
+    def allocate(self) -> None:
         """Allocate params, grads and the optimizer; build its plans and state with one step."""
-        if self.opt is not None:
-            return
         gen = torch.Generator(device=self.device).manual_seed(self.seed)
         dtype, config = self.param_dtype, MODELS[self.model]
         named = [(n, torch.randn(s, device=self.device, dtype=dtype, generator=gen) * 0.02)
@@ -68,42 +66,30 @@ class AdamMiniTuningTask(InPlaceTask):
         self.plans = [pl for _, pls, _ in self.opt._plans.values() for pl in pls]
         if not self.plans:
             raise RuntimeError("AdamMini tuning needs the Triton path (a CUDA GPU)")
-        if ADAM_MINI.tuning_key(self.plans[0].variant) != self.variant:
-            raise RuntimeError(f"AdamMini tuning: the plan's variant {dict(self.plans[0].variant)} is not "
-                               f"{self.variant}")  # fmt: skip
+        self.expect_variant(ADAM_MINI, self.plans[0].variant)
         numel = sum(p.numel() for p in self.params)
         state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values())
         moved = numel * 3 * dtype.itemsize + 2 * state  # p read + write, g read; state read + write
         self.floor_ms = moved / (self.bandwidth_tbs * 1e12) * 1e3 if self.bandwidth_tbs else None
         self.snapshot([*self.params, *(t for s in self.opt.state.values() for t in s.values())])
 
-    def release(self) -> None:
-        """Free the model (the tuner is done with this task); a later use allocates it again."""
-        self.opt, self.plans, self.params, self._live, self._saved = None, [], [], [], []
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.empty_cache()
-
-    def restore(self) -> None:
-        self._build()
-        super().restore()
-
     def precompile(self, configs) -> None:
         """Compile ``configs``' update kernels on background threads, in parallel, and return when
         they are done (the tuner's compile-ahead: a config compiles two or three variants of
         seconds each); the plans stay on their config."""
-        self._build()
+        self.ensure()
         warms = [w for config in configs for plan in self.plans for w in plan.warm_config(config)]
         precompile.wait_all(warms)
 
     def configure(self, config) -> None:
-        self._build()
+        self.ensure()
         for plan in self.plans:
             plan.configure(config)
         self.run()  # compiles here, so compile failures are typed as such
         torch.cuda.synchronize()
 
     def run(self) -> None:
-        self._build()
+        self.ensure()
         self.opt.step()
 
     def check(self) -> float:
@@ -147,9 +133,7 @@ def adam_mini_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[Ad
     """At each tune size: FP8 momentum for each parameter dtype, and fp32 momentum for fp32 parameters."""
     tasks = []
     for numel in ADAM_MINI.tune_sizes:
-        model = model_at_bucket(numel)
-        if model is None:
-            raise ValueError(f"adam_mini tune size {numel}: no model list has that bucket (workloads.MODELS)")
+        model = model_at(ADAM_MINI, numel)
         for dname in dtypes:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname]
             tasks.append(AdamMiniTuningTask(model, dtype, "fp8", device, bandwidth_tbs))

@@ -16,7 +16,7 @@ from kernel_factory.generator import ADAMW, size_bucket
 
 from ..parity import relative_error
 from ..shared.buckets import TRITON_DTYPES
-from ..shared.tuning import InPlaceTask
+from ..shared.tuning import ModelWorkloadTask
 from ..shared.workloads import SHAPE_SETS, model_at_bucket
 from .optimizer import AdamW
 from .plan import Hyper, TritonBucket
@@ -36,10 +36,12 @@ def shapes_for(numel: int) -> list[tuple[int, ...]]:
     return [(numel // 1024, 1024)] if numel >= 1024 else [(numel,)]
 
 
-class AdamWTuningTask(InPlaceTask):
+class AdamWTuningTask(ModelWorkloadTask):
     """One AdamW launch plan (param dtype, state dtype, size) as a tuner task."""
 
     family = ADAMW
+    WORKLOAD = (*ModelWorkloadTask.WORKLOAD, "bucket", "hyper", "_looked_up")
+    bucket: TritonBucket | None = None
 
     def __init__(self, shapes, dtype: torch.dtype, device: str, state_dtype: str | None = None,
                  bandwidth_tbs: float | None = None, seed: int = 0) -> None:  # fmt: skip
@@ -56,12 +58,9 @@ class AdamWTuningTask(InPlaceTask):
         moved = total * (3 * dtype.itemsize + 4 * state.itemsize)
         self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
         self.tol = TOL[dtype]
-        self.bucket: TritonBucket | None = None
 
-    def _build(self) -> None:
+    def allocate(self) -> None:
         """Allocate params, grads and the optimizer; build its plan and state with one step."""
-        if self.bucket is not None:
-            return
         gen = torch.Generator(device=self.device).manual_seed(self.seed)
         dtype = self.param_dtype
         self.params = [torch.randn(s, device=self.device, dtype=dtype, generator=gen) for s in self.shapes]
@@ -73,41 +72,29 @@ class AdamWTuningTask(InPlaceTask):
         if not isinstance(bucket, TritonBucket):
             raise RuntimeError("AdamW tuning needs the Triton path (CUDA, or TRITON_INTERPRET=1 with "
                                "KERNEL_FACTORY_BACKEND=triton)")  # fmt: skip
-        if ADAMW.tuning_key(ADAMW.variant(**bucket._variant)) != self.variant:
-            raise RuntimeError(f"AdamW tuning: the plan's variant {dict(bucket._variant)} is not {self.variant}")
+        self.expect_variant(ADAMW, ADAMW.variant(**bucket._variant))
         self.bucket, self.hyper = bucket, Hyper(self.opt.param_groups[0])
         self._looked_up = dict(bucket.config)
         self.snapshot(self._tensors())
 
     def looked_up_config(self) -> dict:
         """The config the optimizer's cache lookup gave this workload (allocates it)."""
-        self._build()
+        self.ensure()
         return self._looked_up
-
-    def release(self) -> None:
-        """Free the tensors (the tuner is done with this task); a later use allocates them again."""
-        self.bucket = self.opt = self.hyper = None
-        self.params, self._live, self._saved = [], [], []
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.empty_cache()
 
     def _tensors(self) -> list[torch.Tensor]:
         b = self.bucket
         return [*b.params, *b.exp_avgs, *b.exp_avg_sqs, *b.max_exp_avg_sqs, b.steps]
 
     def configure(self, config) -> None:
-        self._build()
+        self.ensure()
         self.bucket.configure(config)
         self.run()  # compiles here, so compile failures are typed as such
         self._sync()
 
     def run(self) -> None:
-        self._build()
+        self.ensure()
         self.bucket.run(self.hyper, None, None)
-
-    def restore(self) -> None:
-        self._build()
-        super().restore()
 
     def check(self) -> float:
         """Worst normwise relative error of one launch against the reference, on fresh grads."""

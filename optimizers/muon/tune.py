@@ -1,4 +1,7 @@
-"""The Muon elementwise tuning workloads: the kernels around NS on the 134M list's hidden matrices.
+"""The Muon elementwise tuning workloads: the kernels around NS on the hidden matrices of the model
+at each of the family's tune sizes (``workloads.model_at_bucket(hidden=True)``: the 134M list at
+2^27, Qwen2.5-0.5B at 2^29, Llama-3.2-1B at 2^30); a task allocates them when first used and frees
+them after its study.
 
 Used by ``python -m kernel_factory.optimizers.tune --families muon``. A trial times the momentum,
 normalize and update kernels of every NS batch (NS itself is the newton_schulz family's), and
@@ -14,8 +17,9 @@ import torch
 from kernel_factory.generator import MUON, size_bucket
 
 from ..parity import compare_tensors
-from ..shared.tuning import InPlaceTask
-from ..shared.workloads import SHAPE_SETS
+from ..shared.buckets import TRITON_DTYPES
+from ..shared.tuning import ModelWorkloadTask
+from ..shared.workloads import SHAPE_SETS, hidden_matrices, model_at
 from .optimizer import Muon
 from .plan import MuonHyper, TorchBatch, TritonBatch
 
@@ -27,34 +31,43 @@ TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 _BF16_BYTES = 2 + 2
 
 
-class MuonTuningTask(InPlaceTask):
-    """The Muon kernels of one param dtype on the 84 hidden matrices of the 134M list."""
+class MuonTuningTask(ModelWorkloadTask):
+    """The Muon kernels of one param dtype on the hidden matrices of a model's parameter list."""
 
     family = MUON
+    WORKLOAD = (*ModelWorkloadTask.WORKLOAD, "batches", "hyper", "bufs")
 
-    def __init__(self, dtype: torch.dtype, device: str, bandwidth_tbs: float | None = None, seed: int = 0) -> None:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        self.params = [(torch.randn(s, device=device, generator=gen) * 0.02).to(dtype)
-                       for _, s in SHAPE_SETS["llama134m_hidden"]]  # fmt: skip
+    def __init__(self, dtype: torch.dtype, device: str, bandwidth_tbs: float | None = None, seed: int = 0,
+                 model: str = "llama134m") -> None:  # fmt: skip
+        self.param_dtype, self.device, self.seed = dtype, device, seed
+        self.shapes = [s for _, s in hidden_matrices(SHAPE_SETS[model])]
+        self.variant = MUON.tuning_key(MUON.variant(multi_tensor=True))
+        self.dtype = TRITON_DTYPES[dtype]
+        numel = sum(math.prod(s) for s in self.shapes)
+        self.numel = size_bucket(numel)
+        moved = numel * (5 * dtype.itemsize + _BF16_BYTES)  # g; buf and p read and written
+        self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
+        self.tol = TOL[dtype]
+
+    def allocate(self) -> None:
+        """Allocate params, grads and the optimizer; build its plan and buffers with one step."""
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        self.params = [(torch.randn(s, device=self.device, generator=gen) * 0.02).to(self.param_dtype)
+                       for s in self.shapes]  # fmt: skip
         for p in self.params:
-            p.grad = torch.randn(p.shape, device=device, generator=gen).to(dtype)
+            p.grad = torch.randn(p.shape, device=self.device, generator=gen).to(self.param_dtype)
         self.opt = Muon(self.params, lr=0.02, weight_decay=0.1)
         self.opt.step()  # builds the plan and the momentum buffers
         self.batches = [b for plan in self.opt._plans.values() for b in plan.batches]
         if not all(isinstance(b, TritonBatch) and b.multi_tensor for b in self.batches):
             raise RuntimeError("Muon tuning needs the multi-tensor Triton path (a CUDA GPU)")
-        self.variant = MUON.tuning_key(MUON.variant(**self.batches[0]._variant))
-        self.dtype = self.batches[0]._variant["param_dtype"]
-        numel = sum(p.numel() for p in self.params)
-        self.numel = size_bucket(numel)
-        moved = numel * (5 * dtype.itemsize + _BF16_BYTES)  # g; buf and p read and written
-        self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
-        self.tol = TOL[dtype]
+        self.expect_variant(MUON, MUON.variant(**self.batches[0]._variant))
         self.hyper = MuonHyper(self.opt.param_groups[0])
         self.bufs = [self.opt.state[p]["momentum_buffer"] for p in self.params]
         self.snapshot([*self.params, *self.bufs])
 
     def configure(self, config) -> None:
+        self.ensure()
         for b in self.batches:
             b.configure(config)
         self.run()  # compiles here, so compile failures are typed as such
@@ -62,6 +75,7 @@ class MuonTuningTask(InPlaceTask):
 
     def run(self) -> None:
         """The kernels without NS: X stands in for O (the timing does not depend on values)."""
+        self.ensure()
         for b in self.batches:
             b.apply(self.hyper, b.prepare(self.hyper))
 
@@ -87,6 +101,7 @@ class MuonTuningTask(InPlaceTask):
 
 
 def muon_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[MuonTuningTask]:
-    """One task per parameter dtype (fp32, bf16)."""
+    """One task per tune size's model (its hidden matrices) and parameter dtype (fp32, bf16)."""
     dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    return [MuonTuningTask(dtype_of[d], device, bandwidth_tbs) for d in dtypes if d in dtype_of]
+    return [MuonTuningTask(dtype_of[d], device, bandwidth_tbs, model=model_at(MUON, numel, hidden=True))
+            for numel in MUON.tune_sizes for d in dtypes if d in dtype_of]  # fmt: skip

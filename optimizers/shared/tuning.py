@@ -20,3 +20,40 @@ class InPlaceTask:
         with torch.no_grad():
             for live, saved in zip(self._live, self._saved, strict=True):
                 live.copy_(saved)
+
+
+class ModelWorkloadTask(InPlaceTask):
+    """Mixin for a task whose workload is a model's parameter list, too large to hold every task's
+    at once: ``allocate()`` (the subclass's) builds it at first use, ``release()`` (the tuner calls
+    it after the task's study) frees it, and a later use allocates it again. The task's cache key
+    (``variant``, ``dtype``, ``numel``) must be known before anything is allocated; ``allocate``
+    checks the optimizer's own variant against it (``expect_variant``)."""
+
+    # attributes allocate() sets and release() drops (the floor stays for the report); subclasses add theirs
+    WORKLOAD: tuple[str, ...] = ("opt", "params", "_live", "_saved")
+    opt = None
+    params: list = []
+    floor_ms = None  # where it counts state bytes: known once the workload was allocated
+
+    def allocate(self) -> None:
+        raise NotImplementedError
+
+    def ensure(self) -> None:
+        if self.opt is None:
+            self.allocate()
+
+    def expect_variant(self, family, variant: dict) -> None:
+        """RuntimeError unless ``variant`` (the built optimizer's) has the key announced."""
+        if family.tuning_key(variant) != self.variant:
+            raise RuntimeError(f"{family.name} tuning: the plan's variant {dict(variant)} is not {self.variant}")
+
+    def restore(self) -> None:
+        self.ensure()
+        super().restore()
+
+    def release(self) -> None:
+        device = self.params[0].device if self.params else None
+        for name in self.WORKLOAD:
+            self.__dict__.pop(name, None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()

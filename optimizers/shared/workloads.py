@@ -45,16 +45,26 @@ MODELS: dict[str, dict] = {
 }  # fmt: skip
 
 
-def model_at_bucket(numel: int) -> str | None:
-    """The model of ``MODELS`` whose parameter count falls in size bucket ``numel`` (the tuners'
+def model_at_bucket(numel: int, hidden: bool = False) -> str | None:
+    """The first model of ``MODELS`` whose parameter count falls in size bucket ``numel`` (the tuners'
     workloads at the models' buckets: 134M at 2^27, Qwen2.5-0.5B at 2^29, Llama-2-7B x 4 at 2^30,
-    Llama-3.2-1B at 2^31), or None."""
+    Llama-3.2-1B at 2^31), or None. ``hidden``: count only the hidden matrices (Muon's share: 134M
+    at 2^27, Qwen2.5-0.5B at 2^29, Llama-3.2-1B and Llama-2-7B x 4 both at 2^30)."""
     from kernel_factory.generator import size_bucket
 
     for name, config in MODELS.items():
-        if size_bucket(sum(math.prod(s) for _, s in llama_param_shapes(**config))) == numel:
+        shapes = llama_param_shapes(**config)
+        if size_bucket(sum(math.prod(s) for _, s in (hidden_matrices(shapes) if hidden else shapes))) == numel:
             return name
     return None
+
+
+def model_at(family, numel: int, hidden: bool = False) -> str:
+    """``model_at_bucket``, or ValueError naming ``family`` (a KernelFamily) whose tune size has no model."""
+    model = model_at_bucket(numel, hidden)
+    if model is None:
+        raise ValueError(f"{family.name} tune size {numel}: no model list has that bucket (workloads.MODELS)")
+    return model
 
 
 SHAPE_SETS: dict[str, list[tuple[str, tuple[int, ...]]]] = {

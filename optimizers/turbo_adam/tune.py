@@ -1,9 +1,14 @@
-"""The TurboAdam tuning workloads: the 134M Llama-style list in each param dtype, at the default
-(4-bit m, factored v) and in the v-only and m-only modes, each launch checked against the PyTorch
-reference step. Used by ``python -m kernel_factory.optimizers.tune --families turbo_adam``.
+"""The TurboAdam tuning workloads: the parameter list of the model at each of the family's tune
+sizes (``workloads.model_at_bucket``: the 134M Llama-style list at 2^27, Qwen2.5-0.5B at 2^29, four
+layers of Llama-2-7B at 2^30, Llama-3.2-1B at 2^31) in each param dtype, at the default (4-bit m,
+factored v) and in the v-only and m-only modes, each launch checked against the PyTorch reference
+step. A task allocates its model when first used and frees it after its study. Used by
+``python -m kernel_factory.optimizers.tune --families turbo_adam``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -11,8 +16,9 @@ from kernel_factory.generator import TURBO_ADAM, size_bucket
 
 from ..parity import compare_tensors
 from ..shared import precompile
-from ..shared.tuning import InPlaceTask
-from ..shared.workloads import SHAPE_SETS
+from ..shared.buckets import TRITON_DTYPES
+from ..shared.tuning import ModelWorkloadTask
+from ..shared.workloads import SHAPE_SETS, model_at
 from .optimizer import TurboAdam
 from .plan import TurboLaunch
 from .reference import matrix_view, turbo_adam_step
@@ -24,37 +30,49 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 CODE_FLIPS = 1e-3  # fraction of code bytes allowed to differ from the reference's
 MODES = {"default": {}, "v_only": {"compress_m": False}, "m_only": {"compress_v": False}}
+# the codecs (m, v) of each mode at the default v_bits: the task's key before anything is allocated
+MODE_CODECS = {"default": ("q4", "factored"), "v_only": ("exact", "factored"), "m_only": ("q4", "exact")}
 
 
-class TurboAdamTuningTask(InPlaceTask):
-    """The fused launch of one param dtype and mode on the 134M list as a tuner task."""
+class TurboAdamTuningTask(ModelWorkloadTask):
+    """The fused launch of one param dtype and mode on a model's parameter list as a tuner task."""
 
     family = TURBO_ADAM
+    WORKLOAD = (*ModelWorkloadTask.WORKLOAD, "launch", "group")
 
     def __init__(self, dtype: torch.dtype, mode: str, device: str, bandwidth_tbs: float | None = None,
-                 seed: int = 0) -> None:  # fmt: skip
-        gen = torch.Generator(device=device).manual_seed(seed)
-        shapes = [s for _, s in SHAPE_SETS["llama134m"]]
-        self.params = [(torch.randn(s, device=device, generator=gen) * 0.02).to(dtype) for s in shapes]
+                 seed: int = 0, model: str = "llama134m") -> None:  # fmt: skip
+        self.param_dtype, self.mode, self.device, self.bandwidth_tbs = dtype, mode, device, bandwidth_tbs
+        self.seed, self.model = seed, model
+        m_codec, v_codec = MODE_CODECS[mode]
+        self.variant = TURBO_ADAM.tuning_key(TURBO_ADAM.variant(
+            multi_tensor=torch.device(device).type == "cuda", m_codec=m_codec, v_codec=v_codec))  # fmt: skip
+        self.dtype = TRITON_DTYPES[dtype]
+        self.numel = size_bucket(sum(math.prod(s) for _, s in SHAPE_SETS[model]))
+        self.tol = TOL[dtype]
+
+    def allocate(self) -> None:
+        """Allocate params, grads and the optimizer; build its plan and state with one step."""
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        dtype = self.param_dtype
+        shapes = [s for _, s in SHAPE_SETS[self.model]]
+        self.params = [(torch.randn(s, device=self.device, generator=gen) * 0.02).to(dtype) for s in shapes]
         for p in self.params:
-            p.grad = torch.randn(p.shape, device=device, generator=gen).to(dtype)
-        self.opt = TurboAdam(self.params, lr=1e-3, weight_decay=0.01, **MODES[mode])
+            p.grad = torch.randn(p.shape, device=self.device, generator=gen).to(dtype)
+        self.opt = TurboAdam(self.params, lr=1e-3, weight_decay=0.01, **MODES[self.mode])
         self.opt.step()  # builds the plan and the state
         (plan,) = self.opt._plans.values()
         if len(plan.launches) != 1 or plan.reference:
             raise RuntimeError("TurboAdam tuning needs the fused path for every tensor (CUDA)")
         self.launch: TurboLaunch = plan.launches[0]
         self.group = self.opt.param_groups[0]
-        self.variant = TURBO_ADAM.tuning_key(TURBO_ADAM.variant(**self.launch.variant))
-        self.dtype = self.launch.variant["param_dtype"]
+        self.expect_variant(TURBO_ADAM, TURBO_ADAM.variant(**self.launch.variant))
         numel = sum(p.numel() for p in self.params)
-        self.numel = size_bucket(numel)
         state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for k, t in s.items() if k != "step")
         coded = self.launch.params[: self.launch.n_coded]
         stats = sum(p.numel() for p in coded) if self.launch.stats_work is not None else 0
         moved = numel * 3 * dtype.itemsize + 2 * state + stats * dtype.itemsize  # the stats pass reads g again
-        self.floor_ms = moved / (bandwidth_tbs * 1e12) * 1e3 if bandwidth_tbs else None
-        self.tol = TOL[dtype]
+        self.floor_ms = moved / (self.bandwidth_tbs * 1e12) * 1e3 if self.bandwidth_tbs else None
         self.snapshot(self._tensors())
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -64,14 +82,17 @@ class TurboAdamTuningTask(InPlaceTask):
     def precompile(self, configs) -> None:
         """Compile ``configs``' kernels on background threads, in parallel, and return when they are
         done (the tuner's compile-ahead); the launch stays on its config."""
+        self.ensure()
         precompile.wait_all([w for config in configs for w in self.launch.warm_config(config)])
 
     def configure(self, config) -> None:
+        self.ensure()
         self.launch.configure(config)
         self.run()  # compiles here, so compile failures are typed as such
         self._sync()
 
     def run(self) -> None:
+        self.ensure()
         g = self.group
         self.launch.run(g["lr"], g["betas"], g["eps"], g["weight_decay"], None, None)
 
@@ -108,5 +129,6 @@ class TurboAdamTuningTask(InPlaceTask):
 
 
 def turbo_adam_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[TurboAdamTuningTask]:
-    """The TurboAdam keys: each dtype x mode on the 134M list."""
-    return [TurboAdamTuningTask(DTYPES[d], mode, device, bandwidth_tbs) for d in dtypes for mode in MODES]
+    """The TurboAdam keys: each tune size's model x dtype x mode."""
+    return [TurboAdamTuningTask(DTYPES[d], mode, device, bandwidth_tbs, model=model_at(TURBO_ADAM, numel))
+            for numel in TURBO_ADAM.tune_sizes for d in dtypes for mode in MODES]  # fmt: skip
