@@ -114,7 +114,7 @@ def test_ours_and_torch_fused_train_to_the_same_losses():
     assert results[0]["state_bytes_per_param"] == pytest.approx(8, abs=0.01)
 
 
-def test_lr_option_keeps_the_sweep_runs_apart(tmp_path):
+def test_lr_and_seed_options_keep_their_runs_apart(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks.convergence.train import main
 
@@ -124,9 +124,13 @@ def test_lr_option_keeps_the_sweep_runs_apart(tmp_path):
             "--out", str(tmp_path), "--no-progress"]  # fmt: skip
     assert main(args + ["--lr", "1e-3"]) == 0
     assert main(args) == 0  # the size's own lr: the plain tag
+    assert main(args + ["--seed", "1"]) == 0
     swept = json.loads((tmp_path / "convergence_cpu_lr0.001" / "torch_adamw_fused.json").read_text())
     plain = json.loads((tmp_path / "convergence_cpu" / "torch_adamw_fused.json").read_text())
+    seeded = json.loads((tmp_path / "convergence_cpu_seed1" / "torch_adamw_fused.json").read_text())
     assert swept["run_config"]["lr"] == 1e-3 and plain["run_config"]["lr"] == 3e-3
+    assert plain["run_config"]["seed"] == 0 and seeded["run_config"]["seed"] == 1
+    assert seeded["rows"][0]["train_loss"] != plain["rows"][0]["train_loss"]  # another init and batches
     assert "--lr 1e-3" in swept["command"] and (tmp_path / "convergence_cpu_lr0.001.md").exists()
     with pytest.raises(SystemExit):
         main(args + ["--lr", "0"])

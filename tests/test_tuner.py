@@ -358,8 +358,8 @@ def test_the_tuner_has_a_task_for_every_key_the_models_look_up():
     nothing (a model is allocated when its task is first used)."""
     from kernel_factory.generator import ADAFACTOR, ADAM_MINI, ADAMW, MUON, TURBO_ADAM, size_bucket
     from kernel_factory.generator.tuner import key_name
-    from kernel_factory.optimizers.tune import FAMILY_TASKS
     from kernel_factory.optimizers.shared.workloads import MODELS, hidden_matrices, llama_param_shapes
+    from kernel_factory.optimizers.tune import FAMILY_TASKS
 
     tasks = [t for family in ("adamw", "adam_mini", "muon", "turbo_adam", "adafactor")
              for t in FAMILY_TASKS[family](["fp32", "bf16"], "cpu", None)]  # fmt: skip

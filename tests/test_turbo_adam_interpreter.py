@@ -163,3 +163,18 @@ def test_a_row_whose_first_gradient_comes_late_steps_as_adamw_does_on_the_kernel
 
     monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
     assert_a_late_row_steps_as_adamw_does()
+
+
+@pytest.mark.parametrize("mode", ["default", "v_only", "m_only"])
+def test_the_tuners_launch_list_is_the_plans(monkeypatch, mode):
+    """tune.launch_codecs (the tuner's keys, known without allocating) names the fused launches a
+    step builds: one per layout, largest first (matrices with factored v, a 4096-element vector with
+    4-bit ln codes)."""
+    from kernel_factory.optimizers.turbo_adam.tune import MODES, launch_codecs
+
+    shapes = [(64, 128), (4096,), (96, 64)]
+    ours, _, _, _ = _pair(monkeypatch, shapes, steps=1, **MODES[mode])
+    (plan,) = ours._plans.values()
+    built = [(ln.variant["m_codec"], ln.variant["v_codec"], sum(p.numel() for p in ln.params[: ln.n_coded]))
+             for ln in plan.launches]  # fmt: skip
+    assert not plan.reference and built == launch_codecs(shapes, mode)

@@ -2,14 +2,14 @@
 schedule; record losses, step times, peak memory and optimizer state bytes per parameter.
 
     python -m benchmarks.convergence [--size cpu|gpu] [--optimizers a,b,...] [--steps N]
-        [--lr PEAK] [--data PATH] [--out DIR]
+        [--lr PEAK] [--seed N] [--data PATH] [--out DIR]
 
 Each optimizer's run is saved as it finishes (<out>/convergence_<tag>/<name>.json, with its
 run config); <out>/convergence_<tag>.csv (every step), .md (summary) and .png (loss curves)
 are then written from every saved run of the same config and corpus, so a long comparison
 can be split over several invocations (``--optimizers``). The tag is the size, plus the peak
-learning rate when ``--lr`` changes it from the size's (``gpu_lr0.0012``): runs of an lr sweep
-keep tables of their own.
+learning rate when ``--lr`` changes it from the size's (``gpu_lr0.0012``), plus the seed when
+``--seed`` changes it (``cpu_seed1``): runs of an lr sweep, or of another seed, keep tables of their own.
 """
 
 from __future__ import annotations
@@ -238,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", default=None, help="comma-separated registry names (default: all available)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the size's)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="init and batch seed (default: the size's, 0); another seed's runs keep a table of their own")
     ap.add_argument("--data", type=Path, default=DEFAULT_CORPUS, help="any UTF-8 text file")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-progress", action="store_true")
@@ -248,7 +250,9 @@ def main(argv=None) -> int:
     if args.lr is not None and args.lr <= 0:
         ap.error(f"--lr must be positive, got {args.lr}")
     tag = size if args.lr in (None, rc.lr) else f"{size}_lr{args.lr:g}"
+    tag += "" if args.seed in (None, rc.seed) else f"_seed{args.seed}"
     rc = rc if args.lr is None else replace(rc, lr=args.lr)
+    rc = rc if args.seed is None else replace(rc, seed=args.seed)
     specs, notes = select(args.optimizers.split(",") if args.optimizers else None, device)
     for note in notes:
         print(note)

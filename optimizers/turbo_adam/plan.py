@@ -49,7 +49,7 @@ STATS_COLS, STATS_WARPS, STATS_ROW_BYTES = 256, 4, 64
 # bands of a tensor at most: the last band of a stripe adds the bands' column sums alone, so a tall
 # matrix (an embedding) takes bands of more than BAND rows rather than keep one program busy
 MAX_BANDS = 64
-_V_AXIS = {None: "exact", codecs.FACTORED: "factored", codecs.LOG4: "log4", codecs.LOG8: "log8"}
+V_AXIS = {None: "exact", codecs.FACTORED: "factored", codecs.LOG4: "log4", codecs.LOG8: "log8"}
 
 
 def kernel_block(block: int) -> bool:
@@ -109,7 +109,7 @@ class TurboLaunch:
         self._dummy = torch.zeros(16, dtype=torch.float32, device=dev)
         self._one, self._zero = torch.ones((), device=dev), torch.zeros((), device=dev)
         self.variant = dict(multi_tensor=multi_tensor, param_dtype=TRITON_DTYPES[self.params[0].dtype],
-                            m_codec="q4" if layout.compress_m else "exact", v_codec=_V_AXIS[layout.v_codec],
+                            m_codec="q4" if layout.compress_m else "exact", v_codec=V_AXIS[layout.v_codec],
                             exact_items=bool(exact), split_rows=self.split and factored)  # fmt: skip
         arch = "cpu" if dev.type == "cpu" else detect_arch(dev)
         total = sum(p.numel() for p in self.params)

@@ -8,8 +8,6 @@ step. A task allocates its model when first used and frees it after its study. U
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kernel_factory.generator import TURBO_ADAM, size_bucket
@@ -20,7 +18,7 @@ from ..shared.buckets import TRITON_DTYPES
 from ..shared.tuning import ModelWorkloadTask
 from ..shared.workloads import SHAPE_SETS, model_at
 from .optimizer import TurboAdam
-from .plan import TurboLaunch
+from .plan import V_AXIS, TurboLaunch
 from .reference import matrix_view, turbo_adam_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,25 +28,46 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 CODE_FLIPS = 1e-3  # fraction of code bytes allowed to differ from the reference's
 MODES = {"default": {}, "v_only": {"compress_m": False}, "m_only": {"compress_v": False}}
-# the codecs (m, v) of each mode at the default v_bits: the task's key before anything is allocated
-MODE_CODECS = {"default": ("q4", "factored"), "v_only": ("exact", "factored"), "m_only": ("q4", "exact")}
+
+
+def launch_codecs(shapes: list[tuple[int, ...]], mode: str) -> list[tuple[str, str, int]]:
+    """(m_codec, v_codec, elements) of each fused CUDA launch a step of a list of ``shapes`` makes in
+    ``mode``, largest first, known without allocating: the optimizer's own layout rule on meta
+    tensors. A layout is a launch, and exact tensors ride in the largest (plan.py); Llama-2-7B's
+    4096-element norms take 4-bit ln codes for v, a launch of their own."""
+    params = [torch.empty(s, device="meta") for s in shapes]
+    opt = TurboAdam(params, **MODES[mode])
+    sizes: dict[tuple[str, str], int] = {}
+    exact = 0
+    for p in params:
+        layout = opt.layout(p, opt.param_groups[0])
+        if layout.exact:
+            exact += p.numel()
+        else:
+            key = ("q4" if layout.compress_m else "exact", V_AXIS[layout.v_codec])
+            sizes[key] = sizes.get(key, 0) + p.numel()
+    launches = sorted(([m, v, n] for (m, v), n in sizes.items()), key=lambda c: -c[2])
+    if launches:
+        launches[0][2] += exact
+    return [tuple(c) for c in launches]
 
 
 class TurboAdamTuningTask(ModelWorkloadTask):
-    """The fused launch of one param dtype and mode on a model's parameter list as a tuner task."""
+    """One fused launch (its codecs ``codecs``, as ``launch_codecs`` lists them) of a step in one
+    param dtype and mode on a model's parameter list as a tuner task."""
 
     family = TURBO_ADAM
     WORKLOAD = (*ModelWorkloadTask.WORKLOAD, "launch", "group")
 
-    def __init__(self, dtype: torch.dtype, mode: str, device: str, bandwidth_tbs: float | None = None,
-                 seed: int = 0, model: str = "llama134m") -> None:  # fmt: skip
+    def __init__(self, dtype: torch.dtype, mode: str, device: str, bandwidth_tbs: float | None = None, seed: int = 0,
+                 model: str = "llama134m", codecs: tuple[str, str, int] | None = None) -> None:  # fmt: skip
         self.param_dtype, self.mode, self.device, self.bandwidth_tbs = dtype, mode, device, bandwidth_tbs
         self.seed, self.model = seed, model
-        m_codec, v_codec = MODE_CODECS[mode]
+        m_codec, v_codec, numel = codecs or launch_codecs([s for _, s in SHAPE_SETS[model]], mode)[0]
         self.variant = TURBO_ADAM.tuning_key(TURBO_ADAM.variant(
             multi_tensor=torch.device(device).type == "cuda", m_codec=m_codec, v_codec=v_codec))  # fmt: skip
         self.dtype = TRITON_DTYPES[dtype]
-        self.numel = size_bucket(sum(math.prod(s) for _, s in SHAPE_SETS[model]))
+        self.numel = size_bucket(numel)
         self.tol = TOL[dtype]
 
     def allocate(self) -> None:
@@ -62,13 +81,13 @@ class TurboAdamTuningTask(ModelWorkloadTask):
         self.opt = TurboAdam(self.params, lr=1e-3, weight_decay=0.01, **MODES[self.mode])
         self.opt.step()  # builds the plan and the state
         (plan,) = self.opt._plans.values()
-        if len(plan.launches) != 1 or plan.reference:
+        mine = [ln for ln in plan.launches if TURBO_ADAM.tuning_key(TURBO_ADAM.variant(**ln.variant)) == self.variant]
+        if len(mine) != 1 or plan.reference:
             raise RuntimeError("TurboAdam tuning needs the fused path for every tensor (CUDA)")
-        self.launch: TurboLaunch = plan.launches[0]
+        self.launch: TurboLaunch = mine[0]
         self.group = self.opt.param_groups[0]
-        self.expect_variant(TURBO_ADAM, TURBO_ADAM.variant(**self.launch.variant))
-        numel = sum(p.numel() for p in self.params)
-        state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for k, t in s.items() if k != "step")
+        numel = sum(p.numel() for p in self.launch.params)
+        state = sum(t.numel() * t.element_size() for s in self.launch.states for k, t in s.items() if k != "step")
         coded = self.launch.params[: self.launch.n_coded]
         stats = sum(p.numel() for p in coded) if self.launch.stats_work is not None else 0
         moved = numel * 3 * dtype.itemsize + 2 * state + stats * dtype.itemsize  # the stats pass reads g again
@@ -129,6 +148,8 @@ class TurboAdamTuningTask(ModelWorkloadTask):
 
 
 def turbo_adam_tasks(dtypes, device: str, bandwidth_tbs: float | None) -> list[TurboAdamTuningTask]:
-    """The TurboAdam keys: each tune size's model x dtype x mode."""
-    return [TurboAdamTuningTask(DTYPES[d], mode, device, bandwidth_tbs, model=model_at(TURBO_ADAM, numel))
-            for numel in TURBO_ADAM.tune_sizes for d in dtypes for mode in MODES]  # fmt: skip
+    """The TurboAdam keys: each tune size's model x dtype x mode x each fused launch of its step."""
+    models = [model_at(TURBO_ADAM, numel) for numel in TURBO_ADAM.tune_sizes]
+    return [TurboAdamTuningTask(DTYPES[d], mode, device, bandwidth_tbs, model=model, codecs=codecs)
+            for model in models for d in dtypes for mode in MODES
+            for codecs in launch_codecs([s for _, s in SHAPE_SETS[model]], mode)]  # fmt: skip
