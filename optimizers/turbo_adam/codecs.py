@@ -11,9 +11,10 @@ holds elements j, j + w, ... of it), the layout the kernels read without shuffle
 - **First moment** (``encode_m`` / ``decode_m``): 4-bit signed codes in [-7, 7], one bf16 scale per
   block, rounded to nearest. The scale is amax / 7 rounded *up* to bf16 (bf16 has fp32's exponent
   range: no underflow at |m| ~ 1e-30), and the codes are computed against the rounded scale, so
-  decode uses the lattice encode used. Nearest rounding, not stochastic: m moves by a tenth of g
-  each step, more than a code step, so nearest-rounding errors do not repeat (no drag), and their
-  variance is half that of stochastic rounding (measured: update cosine 0.956 vs 0.927).
+  decode uses the lattice encode used. Nearest rounding, not stochastic: its variance is half that
+  of stochastic rounding (measured: update cosine 0.956 vs 0.927), but a code step is the block's
+  amax / 7, so a small element's code stays put until 0.1 |g - m| exceeds half of it, a drag that
+  stalled one of three convergence runs (docs/turbo_adam.md, "m's nearest rounding stalls").
 - **Second moment, factored** (``FACTORED``, matrices): Adafactor's row and column means of g²
   (exact fp32 EMAs) give a base r_i c_j / mean(c); each element keeps a 2-bit code k in
   {-1.5, -0.5, 0.5, 1.5} with v = base * 2^(k / 3). The base moves with the element's own expected motion,
