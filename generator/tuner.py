@@ -98,6 +98,9 @@ class KeyResult:
     default_p50: float | None = None
     trials: int = 0
     failures: Counter = field(default_factory=Counter)
+    # the study's starting point (the key's old entry, or the nearest bucket's) never ran: its
+    # winner could be slower than what the lookup gave before, so it is not written
+    start_not_reached: bool = False
 
     def entry(self) -> dict:
         """The cache entry (DESIGN.md "Cache file") for this key."""
@@ -197,6 +200,9 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
         _optimize(study, objective, after, remaining, max(1.0, seconds),
                   PRECOMPILE_BATCH if prepare is not None else 1, prepare, fresh)  # fmt: skip
     result = _summarise(task, study)
+    start = _warm_config(family, warm_start) if warm_start else None
+    result.start_not_reached = start is not None and not any(
+        _ran(t) and _config_key(t.params) == _config_key(start) for t in study.trials)  # fmt: skip
     if final_rounds and result.best is not None and result.default_p50 is not None:
         _paired_timing(task, timer, result, final_rounds)
     return result
@@ -339,7 +345,7 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
                            progress=bar.update if bar else None, warm_start=_starting_point(prior, _cache_key(task)),
                            final_rounds=final_rounds)  # fmt: skip
         results.append(result)
-        if result.best is not None:
+        if result.best is not None and not result.start_not_reached:
             merge_entries(output, arch, [result.entry()])
         release = getattr(task, "release", None)  # a task may free its workload once studied
         if release is not None:
@@ -388,5 +394,7 @@ def report(results: Sequence[KeyResult]) -> str:
         floor = f"{100 * t.floor_ms / tuned:.1f}" if t.floor_ms else "-"
         default = f"{r.default_p50:.4f}" if r.default_p50 else "-"
         speedup = f"{r.default_p50 / tuned:.3f}x" if r.default_p50 else "-"
-        lines.append(f"{key:<62} {default:>10} {tuned:>9.4f} {floor:>8} {speedup:>8} {r.trials:>6}  {dict(r.failures)}")
+        kept = " (not written: the starting point did not run)" if r.start_not_reached else ""
+        lines.append(f"{key:<62} {default:>10} {tuned:>9.4f} {floor:>8} {speedup:>8} {r.trials:>6}  "
+                     f"{dict(r.failures)}{kept}")  # fmt: skip
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_factory.generator import ADAMW, interpreter_enabled
-from kernel_factory.generator.tuner import PRECOMPILE_BATCH, _warm_config, classify, tune
+from kernel_factory.generator.tuner import PRECOMPILE_BATCH, _warm_config, classify, report, tune
 from kernel_factory.optimizers.adamw.tune import AdamWTuningTask
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
@@ -393,3 +393,21 @@ def test_a_new_bucket_starts_from_the_nearest_buckets_entry(tmp_path):
     (tmp_path / "cpu.json").write_text(json.dumps({"schema": 1, "template_hashes": {}, "entries": [*entries, other]}))
     _tune(task, tmp_path, trials=3)
     assert task.configured[:2] == [dict(ADAMW.default_config), near]
+
+
+def test_a_study_that_never_ran_its_starting_point_writes_no_entry(tmp_path):
+    """Cut after the default alone, a new bucket's study could only write the default, maybe slower
+    than the nearest bucket's config its lookup gives now: nothing is written (the report says so);
+    once the starting point ran, the winner is."""
+    task = Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu"))
+    near = {"BLOCK": 1024, "CHUNK": 2048, "num_warps": 2, "num_stages": 2}
+    entry = {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": 2048, "config": near}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"schema": 1, "template_hashes": {}, "entries": [entry]}))
+    (cut,) = _tune(task, tmp_path, trials=1)
+    assert cut.best == dict(ADAMW.default_config) and cut.start_not_reached
+    assert [e["bucket"] for e in json.loads(path.read_text())["entries"]] == [2048]
+    assert "not written" in report([cut])
+    (done,) = _tune(Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu")), tmp_path, trials=2)  # resumes: one more
+    assert not done.start_not_reached and done.trials == 2
+    assert 512 in [e["bucket"] for e in json.loads(path.read_text())["entries"]]
