@@ -411,3 +411,13 @@ def test_a_study_that_never_ran_its_starting_point_writes_no_entry(tmp_path):
     (done,) = _tune(Recorder(AdamWTuningTask(SHAPES, torch.float32, "cpu")), tmp_path, trials=2)  # resumes: one more
     assert not done.start_not_reached and done.trials == 2
     assert 512 in [e["bucket"] for e in json.loads(path.read_text())["entries"]]
+
+
+def test_a_workload_whose_build_fails_is_left_unbuilt(monkeypatch):
+    from kernel_factory.optimizers.turbo_adam.tune import TurboAdamTuningTask
+
+    monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "torch")  # the reference step: no fused launch to tune
+    task = TurboAdamTuningTask(torch.float32, "default", "cpu", model="single_4096x1024")
+    with pytest.raises(RuntimeError, match="fused path"):
+        task.ensure()
+    assert task.opt is None and not task.params  # the next use builds it again

@@ -40,7 +40,11 @@ class ModelWorkloadTask(InPlaceTask):
 
     def ensure(self) -> None:
         if self.opt is None:
-            self.allocate()
+            try:
+                self.allocate()
+            except BaseException:  # a half-built workload is not one: the next use starts again
+                self.release()
+                raise
 
     def expect_variant(self, family, variant: dict) -> None:
         """RuntimeError unless ``variant`` (the built optimizer's) has the key announced."""
@@ -52,6 +56,7 @@ class ModelWorkloadTask(InPlaceTask):
         super().restore()
 
     def release(self) -> None:
+        """Drop the workload's tensors (``WORKLOAD``) and return the GPU's cached blocks."""
         device = self.params[0].device if self.params else None
         for name in self.WORKLOAD:
             self.__dict__.pop(name, None)

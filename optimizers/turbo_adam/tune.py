@@ -63,7 +63,12 @@ class TurboAdamTuningTask(ModelWorkloadTask):
                  model: str = "llama134m", codecs: tuple[str, str, int] | None = None) -> None:  # fmt: skip
         self.param_dtype, self.mode, self.device, self.bandwidth_tbs = dtype, mode, device, bandwidth_tbs
         self.seed, self.model = seed, model
-        m_codec, v_codec, numel = codecs or launch_codecs([s for _, s in SHAPE_SETS[model]], mode)[0]
+        if codecs is None:
+            launches = launch_codecs([s for _, s in SHAPE_SETS[model]], mode)
+            if not launches:
+                raise ValueError(f"TurboAdam tuning: {model!r} has no compressed tensor (no fused launch) in {mode!r}")
+            codecs = launches[0]
+        m_codec, v_codec, numel = codecs
         self.variant = TURBO_ADAM.tuning_key(TURBO_ADAM.variant(
             multi_tensor=torch.device(device).type == "cuda", m_codec=m_codec, v_codec=v_codec))  # fmt: skip
         self.dtype = TRITON_DTYPES[dtype]
