@@ -203,10 +203,11 @@ def test_every_model_finds_entries_tuned_on_its_gpu(gpu, monkeypatch, tmp_path):
     """Each family's lookups for the bench's model lists (fp32 and bf16 params; NS for every batch of
     same-shape hidden matrices) find entries of sm90.json tuned on that very GPU: another GPU's
     entries or a family default would warn, and warnings fail here."""
-    import math
     from collections import Counter
 
-    from kernel_factory.generator import ADAFACTOR, ADAM_MINI, MUON, NEWTON_SCHULZ, TURBO_ADAM
+    from model_lookups import elementwise_lookups
+
+    from kernel_factory.generator import NEWTON_SCHULZ
     from kernel_factory.optimizers.muon.newton_schulz_launch import PRODUCTS, iteration_flops, side_class
     from kernel_factory.optimizers.shared.workloads import MODELS, hidden_matrices, llama_param_shapes
 
@@ -215,19 +216,10 @@ def test_every_model_finds_entries_tuned_on_its_gpu(gpu, monkeypatch, tmp_path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
+            for _, family, variant, dtype, n in elementwise_lookups():
+                cache.select(family, "sm90", variant, dtype, n, device=gpu)
             for config in MODELS.values():
-                shapes = llama_param_shapes(**config)
-                hidden = hidden_matrices(shapes)
-                numel, hidden_numel = (sum(math.prod(s) for _, s in ss) for ss in (shapes, hidden))
-                for dtype in ("float32", "bfloat16"):
-                    for family, axes, n in [
-                        (ADAMW, dict(param_dtype=dtype, state_dtype=dtype), numel),
-                        (ADAM_MINI, dict(param_dtype=dtype, momentum="float8e4nv"), numel),
-                        (MUON, dict(param_dtype=dtype), hidden_numel),
-                        (TURBO_ADAM, dict(param_dtype=dtype, m_codec="q4", v_codec="factored"), numel),
-                        (ADAFACTOR, dict(param_dtype=dtype, state_codec="log8"), numel),
-                    ]:
-                        cache.select(family, "sm90", family.variant(multi_tensor=True, **axes), dtype, n, device=gpu)
+                hidden = hidden_matrices(llama_param_shapes(**config))
                 for (m, n), count in Counter(tuple(sorted(s)) for _, s in hidden).items():
                     for product in PRODUCTS:
                         variant = NEWTON_SCHULZ.variant(dtype="bfloat16", product=product, side=side_class(m))

@@ -356,9 +356,10 @@ def test_the_tuner_has_a_task_for_every_key_the_models_look_up():
     """For each model of the bench (fp32 and bf16 params), every family's lookup (as in
     test_cache's every-model check) is a key some tuner task tunes; building the tasks allocates
     nothing (a model is allocated when its task is first used)."""
-    from kernel_factory.generator import ADAFACTOR, ADAM_MINI, ADAMW, MUON, TURBO_ADAM, size_bucket
+    from model_lookups import elementwise_lookups
+
+    from kernel_factory.generator import size_bucket
     from kernel_factory.generator.tuner import key_name
-    from kernel_factory.optimizers.shared.workloads import MODELS, hidden_matrices, llama_param_shapes
     from kernel_factory.optimizers.tune import FAMILY_TASKS
 
     tasks = [t for family in ("adamw", "adam_mini", "muon", "turbo_adam", "adafactor")
@@ -366,19 +367,9 @@ def test_the_tuner_has_a_task_for_every_key_the_models_look_up():
     assert all(t.opt is None for t in tasks)
     # CPU tasks name the single-tensor variant where the family has one for the interpreter
     tuned = {key_name(t).replace("multi_tensor=False", "multi_tensor=True") for t in tasks}
-    for name, config in MODELS.items():
-        shapes = llama_param_shapes(**config)
-        numel, hidden = (sum(math.prod(s) for _, s in ss) for ss in (shapes, hidden_matrices(shapes)))
-        for dtype in ("float32", "bfloat16"):
-            for family, axes, n in [
-                (ADAMW, dict(param_dtype=dtype, state_dtype=dtype), numel),
-                (ADAM_MINI, dict(param_dtype=dtype, momentum="float8e4nv"), numel),
-                (MUON, dict(param_dtype=dtype), hidden),
-                (TURBO_ADAM, dict(param_dtype=dtype, m_codec="q4", v_codec="factored"), numel),
-                (ADAFACTOR, dict(param_dtype=dtype, state_codec="log8"), numel),
-            ]:
-                variant = family.tuning_key(family.variant(multi_tensor=True, **axes))
-                assert f"{family.name} {variant} {dtype} {size_bucket(n)}" in tuned, (name, family.name, dtype)
+    for model, family, variant, dtype, n in elementwise_lookups():
+        key = f"{family.name} {family.tuning_key(variant)} {dtype} {size_bucket(n)}"
+        assert key in tuned, (model, key)
 
 
 def test_a_new_bucket_starts_from_the_nearest_buckets_entry(tmp_path):
