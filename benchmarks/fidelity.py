@@ -1,6 +1,7 @@
 """How faithfully a compressed Adam follows exact AdamW on the same gradient stream.
 
     python benchmarks/fidelity.py [--steps 2000] [--rows 128] [--cols 512] [--device cpu]
+        [--column-spread 0]
 
 Every subject (ours: TurboAdam at its default, v-only and m-only; peers where installed: turboadam,
 flashoptim, torchao's AdamW4bit on CUDA) and exact fp32 AdamW step one parameter on the same
@@ -9,7 +10,9 @@ parameter is zeroed before each step and the update is minus the parameter after
 
 The stream: per element a fixed signal plus fresh Gaussian noise with signal/noise 0.3, times a
 per-row scale spread log-uniformly over 0, 1 or 2 decades, times a per-row trend growing by 1-10x
-over the run, at an overall magnitude of 1e-2 or 1e-7. Reported at 250, 500, 1000 and 2000 steps:
+over the run, at an overall magnitude of 1e-2 or 1e-7; ``--column-spread D`` also scales each
+column by a fixed factor spread log-uniformly over D decades (the input features of a layer, so
+the elements of one 128-block differ in size). Reported at 250, 500, 1000 and 2000 steps:
 the update's cosine with exact AdamW's and its norm ratio, and, where the subject exposes its
 decoded second moment, the median of stored / exact v and the rms of |ln(stored / exact)|.
 """
@@ -36,12 +39,15 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 def stream(shape: tuple[int, int], steps: int, spread: float, magnitude: float, device: str,
-           seed: int = 0, trends: bool = True) -> Iterator[torch.Tensor]:  # fmt: skip
+           seed: int = 0, trends: bool = True, column_spread: float = 0.0) -> Iterator[torch.Tensor]:  # fmt: skip
     """The synthetic gradients of the module docstring, fp32 ``shape``, one per step (``trends``
-    false: every row stationary)."""
+    false: every row stationary; ``column_spread``: decades the columns' fixed scales span)."""
     gen = torch.Generator().manual_seed(seed)
     rows, cols = shape
     row_scale = 10 ** (torch.rand(rows, 1, generator=gen) * spread)
+    if column_spread:  # drawn from a generator of its own: the rows' stream stays the one without
+        row_scale = row_scale * 10 ** (torch.rand(1, cols, generator=torch.Generator().manual_seed(seed + 1))
+                                       * column_spread)  # fmt: skip
     trend = 1 + 9 * torch.rand(rows, 1, generator=gen)  # this row grows by 1-10x over the run
     trend = trend if trends else torch.ones_like(trend)
     signal = 0.3 * torch.randn(shape, generator=gen)
@@ -87,13 +93,14 @@ def subjects() -> dict[str, Subject]:
     return out
 
 
-def measure(subject: Subject, shape, steps: int, spread: float, magnitude: float, device: str) -> dict[int, tuple]:
+def measure(subject: Subject, shape, steps: int, spread: float, magnitude: float, device: str,
+            column_spread: float = 0.0) -> dict[int, tuple]:  # fmt: skip
     exact_p = torch.nn.Parameter(torch.zeros(shape, device=device))
     p = torch.nn.Parameter(torch.zeros(shape, device=device))
     exact = torch.optim.AdamW([exact_p], foreach=False, **HYPER)
     opt = subject.make([p])
     out = {}
-    for t, g in enumerate(stream(shape, steps, spread, magnitude, device), 1):
+    for t, g in enumerate(stream(shape, steps, spread, magnitude, device, column_spread=column_spread), 1):
         for q, o in ((exact_p, exact), (p, opt)):
             with torch.no_grad():
                 q.zero_()
@@ -136,22 +143,26 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(ap)
     ap.add_argument("--subjects", default=None, help="comma-separated names (default: all available)")
+    ap.add_argument("--column-spread", type=float, default=0.0, help="decades the columns' scales span")
     args = ap.parse_args(argv)
     available = subjects()
     names = args.subjects.split(",") if args.subjects else list(available)
     where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
-    lines = [f"Fidelity against exact AdamW: one {args.rows} x {args.cols} parameter, {where}",
+    columns = f", columns spread over {args.column_spread:g} decades" if args.column_spread else ""
+    lines = [f"Fidelity against exact AdamW: one {args.rows} x {args.cols} parameter, {where}{columns}",
              "", "| subject | spread (decades) | magnitude | step | update cosine | norm ratio | median v ratio | "
              "rms ln v ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name in names:
         for spread in SPREADS:
             for magnitude in MAGNITUDES:
-                result = measure(available[name], (args.rows, args.cols), args.steps, spread, magnitude, args.device)
+                result = measure(available[name], (args.rows, args.cols), args.steps, spread, magnitude, args.device,
+                                 args.column_spread)  # fmt: skip
                 for t, (cosine, ratio, median, rms) in result.items():
                     lines.append(f"| {name} | {spread} | {magnitude:g} | {t} | {cosine:.3f} | {ratio:.3f} | "
                                  f"{median:.3f} | {rms:.3f} |")  # fmt: skip
                 print(lines[-1], flush=True)
-    write_results(lines, argv, "benchmarks/fidelity.py", args.out / f"fidelity_{args.device}.md")
+    suffix = f"_columns{args.column_spread:g}" if args.column_spread else ""
+    write_results(lines, argv, "benchmarks/fidelity.py", args.out / f"fidelity_{args.device}{suffix}.md")
 
 
 if __name__ == "__main__":

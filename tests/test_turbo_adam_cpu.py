@@ -9,7 +9,7 @@ import pytest
 import torch
 from twin_training import twin_steps
 
-from benchmarks.fidelity import HYPER, Subject, measure
+from benchmarks.fidelity import HYPER, Subject, measure, stream
 from kernel_factory.optimizers import AdamW, TurboAdam
 from kernel_factory.optimizers.shared import log_codes
 from kernel_factory.optimizers.turbo_adam import codecs
@@ -324,3 +324,16 @@ def test_an_empty_shard_counts_its_step_and_column_means_with_no_host_read(monke
     monkeypatch.undo()
     assert float(state["step"]) == 1 and float(amax) == 0
     torch.testing.assert_close(state["exp_avg_sq_col"], col_mean * (1 - 0.99), rtol=1e-6, atol=0)
+
+
+def test_the_fidelity_streams_column_spread_scales_whole_columns():
+    """--column-spread multiplies each column by one fixed factor within the decades asked; without
+    it the stream is the one the bars above are held to."""
+    plain = list(stream((8, 64), 3, 1, 1e-2, "cpu"))
+    spread = list(stream((8, 64), 3, 1, 1e-2, "cpu", column_spread=2))
+    factors = [s / p for s, p in zip(spread, plain, strict=True)]
+    assert all(torch.allclose(f, factors[0], rtol=1e-5) for f in factors)  # fixed over the steps
+    assert torch.allclose(factors[0], factors[0][:1].expand_as(factors[0]), rtol=1e-5)  # one per column
+    assert 1 <= float(factors[0].min()) and float(factors[0].max()) <= 100 and float(factors[0].max()) > 10
+    unspread = list(stream((8, 64), 3, 1, 1e-2, "cpu", column_spread=0))
+    assert all(torch.equal(a, b) for a, b in zip(plain, unspread, strict=True))
