@@ -138,11 +138,11 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
         study_name=_study_name(task, arch), storage=storage, load_if_exists=True, direction="minimize",
         sampler=_sampler(seed),
     )  # fmt: skip
+    start = _warm_config(family, warm_start) if warm_start else None  # tried right after the default
     if not study.trials:
         study.enqueue_trial(dict(family.default_config))
-        warm = _warm_config(family, warm_start) if warm_start else None
-        if warm is not None and warm != family.default_config:
-            study.enqueue_trial(warm)
+        if start is not None and start != family.default_config:
+            study.enqueue_trial(start)
         for config in family.seed_configs:  # alternatives the sampler would rarely draw
             study.enqueue_trial(dict(config))
     seen = {_config_key(t.params): t for t in study.trials if _ran(t) and t.params}
@@ -200,7 +200,6 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
         _optimize(study, objective, after, remaining, max(1.0, seconds),
                   PRECOMPILE_BATCH if prepare is not None else 1, prepare, fresh)  # fmt: skip
     result = _summarise(task, study)
-    start = _warm_config(family, warm_start) if warm_start else None
     result.start_not_reached = start is not None and not any(
         _ran(t) and _config_key(t.params) == _config_key(start) for t in study.trials)  # fmt: skip
     if final_rounds and result.best is not None and result.default_p50 is not None:
