@@ -198,11 +198,19 @@ def test_a_nearest_axis_breaks_ties_between_buckets_equally_near(arch_files):
         cache.select(NEWTON_SCHULZ, "smtest", NEWTON_SCHULZ.variant(product="poly", side=2048), "bfloat16", 1 << 38)
 
 
-@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+H100 = "NVIDIA H100 80GB HBM3"
+# Families whose template changed after an H100 was last lent (TurboAdam's m codec): their H100
+# entries went stale with it, and an H100 takes the H200's entries for them, with one warning, until
+# `nox -s tune -- --arch sm90 --families turbo_adam` runs on an H100.
+AWAITING_H100 = {"turbo_adam"}
+
+
+@pytest.mark.parametrize("gpu", [H100, "NVIDIA H200"])
 def test_every_model_finds_entries_tuned_on_its_gpu(gpu, monkeypatch, tmp_path):
     """Each family's lookups for the bench's model lists (fp32 and bf16 params; NS for every batch of
     same-shape hidden matrices) find entries of sm90.json tuned on that very GPU: another GPU's
-    entries or a family default would warn, and warnings fail here."""
+    entries or a family default would warn, and warnings fail here. The families of
+    ``AWAITING_H100`` find the H200's on an H100: another GPU's warning, never the default's."""
     from collections import Counter
 
     from model_lookups import elementwise_lookups
@@ -217,6 +225,12 @@ def test_every_model_finds_entries_tuned_on_its_gpu(gpu, monkeypatch, tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             for _, family, variant, dtype, n in elementwise_lookups():
+                if gpu == H100 and family.name in AWAITING_H100:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        cache.select(family, "sm90", variant, dtype, n, device=gpu)
+                    assert all("tuned on NVIDIA H200, not on this" in str(w.message) for w in caught), family.name
+                    continue
                 cache.select(family, "sm90", variant, dtype, n, device=gpu)
             for config in MODELS.values():
                 hidden = hidden_matrices(llama_param_shapes(**config))

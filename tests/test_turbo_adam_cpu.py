@@ -28,20 +28,42 @@ def test_with_both_codecs_off_it_is_bitwise_our_adamw():
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
 
 
-def test_first_moment_codes_round_to_nearest_on_the_lattice_they_decode_on():
-    """|decoded - m| <= scale / 2 per element (no clipping: the bf16 scale is rounded up), at
-    magnitudes down to 1e-30 (bf16 keeps fp32's exponent range: no scale underflows)."""
+def _m_codes(m, v, seed=0, step=1):
+    u = log_codes.plane_uniforms(seed, step, torch.arange(m.shape[0]), m.shape[1], codecs.M_STREAM)
+    return codecs.encode_m(m, codecs.inverse_root(v), 128, u)
+
+
+def test_first_moment_codes_are_within_a_code_step_of_m_in_units_of_sqrt_v():
+    """|decoded - m| < scale sqrt(v) per element (a stochastic rounding moves to a neighbouring
+    code; none clips: the bf16 scale is rounded up), the scale of m / sqrt(v) never underflows at
+    |m| down to 1e-8, and a block's small columns keep their precision in units of their own
+    sqrt(v) (columns spread over 2 decades)."""
     gen = torch.Generator().manual_seed(1)
-    for magnitude in (1.0, 1e-8, 1e-30):
-        m = torch.randn(7, 300, generator=gen) * magnitude
-        codes, scale = codecs.encode_m(m, 128)
+    spread = 10.0 ** torch.linspace(-2, 0, 300)
+    for magnitude in (1.0, 1e-8):
+        v = (torch.rand(7, 300, generator=gen) + 0.5) * (magnitude * spread) ** 2
+        m = torch.randn(7, 300, generator=gen) * v.sqrt()
+        codes, scale = _m_codes(m, v)
         assert codes.dtype == torch.uint8 and codes.shape == (7, 192) and scale.shape == (7, 3)
-        back = codecs.decode_m(codes, scale, 300, 128)
-        per_element = log_codes.blocks_of(torch.ones_like(m), 128) * scale.float()[..., None]
-        bound = per_element.view(7, -1)[:, :300] / 2
-        assert (scale.float() > 0).all()
-        assert ((back - m).abs() <= bound * (1 + 1e-6)).all(), magnitude
-        assert torch.equal(codecs.decode_m(*codecs.encode_m(back, 128), 300, 128), back)  # a fixed point
+        back = codecs.decode_m(codes, scale, v, 128)
+        step = (log_codes.blocks_of(torch.ones_like(m), 128) * scale.float()[..., None]).view(7, -1)[:, :300]
+        assert (scale.float() > 0).all() and (scale.float() < 1).all()
+        assert ((back - m).abs() <= step * v.sqrt() * (1 + 1e-5)).all(), magnitude
+
+
+def test_first_moment_codes_are_unbiased():
+    """Over 256 steps' random bits the mean decoded m is m within 5 standard errors (a rounding's
+    variance is at most a quarter of a code step squared)."""
+    gen = torch.Generator().manual_seed(2)
+    v = torch.rand(4, 256, generator=gen) + 0.1
+    m = torch.randn(4, 256, generator=gen) * v.sqrt()
+    draws = []
+    for step in range(1, 257):
+        codes, scale = _m_codes(m, v, step=step)
+        draws.append(codecs.decode_m(codes, scale, v, 128))
+    step = float(_m_codes(m, v)[1].float().max()) * v.sqrt()
+    assert ((torch.stack(draws).mean(0) - m).abs() <= 5 * step / 2 / math.sqrt(256)).all()
+    assert not torch.equal(draws[0], draws[1])  # the bits differ from step to step
 
 
 def test_random_bits_are_a_deterministic_hash_of_seed_step_and_element():
@@ -151,7 +173,10 @@ def test_decoded_state_is_torch_adamws_layout():
     opt.step()
     state = opt.decoded_state(w)
     assert state["exp_avg"].shape == w.shape and state["exp_avg"].dtype == torch.float32
-    torch.testing.assert_close(state["exp_avg"], torch.full_like(w, 0.1), rtol=2e-2, atol=0)
+    # m's codes are rounded stochastically, a code step of 1/7 of the block's largest: each element
+    # within it, their mean within 1% (unbiased; 5120 elements)
+    torch.testing.assert_close(state["exp_avg"], torch.full_like(w, 0.1), rtol=0.15, atol=0)
+    assert abs(float(state["exp_avg"].mean()) - 0.1) < 1e-3
     torch.testing.assert_close(state["exp_avg_sq"], torch.full_like(w, 1e-3), rtol=0.26, atol=0)
 
 
@@ -222,12 +247,14 @@ def test_the_same_steps_from_the_same_state_give_the_same_bits():
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
-def test_the_default_follows_exact_adamw_on_the_fidelity_stream():
-    """300 steps of the benchmark's stream (2 decades of row scales, |g| ~ 1e-7): the codecs'
-    measured figures there are cosine 0.96 and norm ratio 1.05 (docs/turbo_adam.md); held to the
-    issue's bars, cosine >= 0.9, norm ratio and median stored/exact v within 0.9-1.1."""
+@pytest.mark.parametrize("column_spread", [0, 2])
+def test_the_default_follows_exact_adamw_on_the_fidelity_stream(column_spread):
+    """250 steps of the benchmark's stream (2 decades of row scales, |g| ~ 1e-7; and columns over
+    2 decades, where m coded without sqrt(v) lost a block's small columns: cosine 0.63): measured
+    cosine 0.94 and norm ratio 1.08 either way (docs/turbo_adam.md); held to the issue's bars,
+    cosine >= 0.9, norm ratio and median stored/exact v within 0.9-1.1."""
     subject = Subject(lambda ps: TurboAdam(ps, **HYPER), lambda opt, p: opt.decoded_state(p)["exp_avg_sq"])
-    cosine, ratio, median, _ = measure(subject, (32, 512), 250, 2, 1e-7, "cpu")[250]
+    cosine, ratio, median, _ = measure(subject, (32, 512), 250, 2, 1e-7, "cpu", column_spread)[250]
     assert cosine >= 0.9 and 0.9 <= ratio <= 1.1 and 0.9 <= median <= 1.1, (cosine, ratio, median)
 
 

@@ -52,14 +52,14 @@ def _assert_decoded_moments_close(ours, ref, p, q, i):
 
 
 def test_a_decoded_block_keeps_its_scale_on_cuda():
-    """amax = 7 scale (a decoded block, or 0.1 g of a bf16 g) encodes to the same scale: the
-    reference divides exactly on CUDA too, and the kernels' 1/7 is rounded down."""
+    """amax = 7 scale (m / sqrt(v) of a block whose largest is on its lattice) encodes to the same
+    scale: the reference divides exactly on CUDA too, and the kernels' 1/7 is rounded down."""
     from kernel_factory.optimizers.turbo_adam import codecs
 
     scale = torch.tensor([0.046875, 0.0546875, 3.0, 1.5e-3], device="cuda").to(torch.bfloat16).float()
     m = torch.zeros(4, 128, device="cuda")
     m[:, 5] = 7 * scale  # exact in fp32: 8 + 3 significant bits
-    _, got = codecs.encode_m(m, 128)
+    _, got = codecs.encode_m(m, torch.ones_like(m), 128, torch.full_like(m, 0.5))
     assert torch.equal(got.float().flatten(), scale)
 
 
@@ -114,11 +114,15 @@ def test_no_host_sync_with_grad_scaler_tensors():
 def test_cuda_steps_follow_the_cpu_steps(v_bits):
     """The fused kernels on CUDA against the reference on the CPU: the codecs' integer parts (hash,
     packing) are exact on both devices; log, exp, sqrt and division differ by ulps, which moves a
-    stochastic rounding only when its uniform falls within them of the threshold: params within
-    1e-5 of the CPU's after 5 steps."""
+    stochastic rounding only when its uniform falls within them of the threshold (a few elements
+    in a million a step, for v and for m). A moved m code can move its block's scale at the next
+    step, and with it the rounding of the block's 128 codes: after 5 steps the updates agree
+    normwise within 1e-3 (UPDATE_TOL) and all but at most 1% of the params (a few blocks of the
+    768) within 1e-5 of the CPU's."""
     torch.manual_seed(0)
     cpu = torch.nn.Parameter(torch.randn(256, 384))
     gpu = torch.nn.Parameter(cpu.detach().cuda())
+    p0 = cpu.detach().clone()
     opts = [TurboAdam([p], lr=1e-2, v_bits=v_bits, rounding_seed=3) for p in (cpu, gpu)]
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
@@ -126,7 +130,10 @@ def test_cuda_steps_follow_the_cpu_steps(v_bits):
         cpu.grad, gpu.grad = g, g.cuda()
         for opt in opts:
             opt.step()
-    assert compare_tensors("p", "x", gpu.detach().cpu(), cpu.detach(), 1e-5).passed
+    got, want = gpu.detach().cpu(), cpu.detach()
+    assert compare_tensors("p", "update", got - p0, want - p0, UPDATE_TOL[torch.float32]).passed
+    moved = (got - want).abs() > 1e-5 * (1 + want.abs())
+    assert float(moved.float().mean()) <= 1e-2, int(moved.sum())
     assert {k: t.dtype for k, t in opts[1].state[gpu].items()} == {k: t.dtype for k, t in opts[0].state[cpu].items()}
 
 

@@ -64,15 +64,19 @@ def weyl_uniform(seed: int, step: int, index: Tensor) -> Tensor:
     return (h >> 9).to(torch.float32) * 2.0**-23
 
 
-def plane_uniforms(seed: int, step: int, rows_index: Tensor, cols: int) -> Tensor:
+def plane_uniforms(seed: int, step: int, rows_index: Tensor, cols: int, stream: int = 0) -> Tensor:
     """fp32 uniforms (R, cols) in (0, 1) for codes kept in planes (``pack_planar``): one hash per
     position of a group's first 32-column plane, of its global index (row * cols + column), whose
     byte k serves the same position of plane k: (byte + 1/2) / 256. A kernel thread holding the
     four planes' elements of a position hashes once for four roundings (a rounding's bias is at
-    most 1/512 of a code step)."""
+    most 1/512 of a code step). ``stream`` != 0: an independent set of bits for a second rounding
+    of the same elements, keyed by lowbias32(key ^ stream)."""
     col = torch.arange(cols, dtype=torch.int64, device=rows_index.device)
     plane = col % PLANE_GROUP // PLANE_WIDTH
-    h = _hash32((rows_index[:, None] * cols + (col - plane * PLANE_WIDTH)) ^ _key(seed, step, rows_index.device))
+    key = _key(seed, step, rows_index.device)
+    if stream:
+        key = _hash32(key ^ stream)
+    h = _hash32((rows_index[:, None] * cols + (col - plane * PLANE_WIDTH)) ^ key)
     return ((h >> (8 * plane)) & 255).to(torch.float32).add_(0.5).mul_(1 / 256)
 
 
@@ -100,9 +104,10 @@ def bf16_up(x: Tensor) -> Tensor:
     return torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
 
 
-def encode_linear(x: Tensor, levels: int, block: int) -> tuple[Tensor, Tensor]:
+def encode_linear(x: Tensor, levels: int, block: int, u: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Signed linear codes of fp32 x (R, C): (q, int32 (R, C) in [-levels, levels]; bf16 scales
-    (R, ceil(C / block))), x ~ q * scale, rounded to nearest (half to even).
+    (R, ceil(C / block))), x ~ q * scale, rounded to nearest (half to even), or with uniforms
+    ``u`` (R, C) stochastically (``stochastic_round``, unbiased).
 
     The scale is amax / levels rounded *up* to bf16 and the codes are taken against that rounded
     scale: decode uses the lattice encode used, no element clips, and bf16's 8-bit exponent keeps
@@ -115,8 +120,9 @@ def encode_linear(x: Tensor, levels: int, block: int) -> tuple[Tensor, Tensor]:
     scale = bf16_up(amax / torch.full_like(amax, levels))
     s = scale.float()[..., None]
     inv = 1.0 / torch.where(s > 0, s, torch.ones_like(s))  # the kernels multiply by one reciprocal a block
-    q = torch.round(b * inv).clamp_(-levels, levels)
-    return flat_rows(q)[:, :cols].to(torch.int32), scale
+    y = b * inv
+    q = torch.round(y) if u is None else stochastic_round(y, blocks_of(u, block))
+    return flat_rows(q.clamp_(-levels, levels))[:, :cols].to(torch.int32), scale
 
 
 def decode_linear(q: Tensor, scale: Tensor, block: int) -> Tensor:

@@ -8,13 +8,16 @@ values are an (R, ceil(C / block)) array, as FSDP2 shards rows.
 Codes are packed in planes (``log_codes.pack_planar``: byte j of each 128-element group of a row
 holds elements j, j + w, ... of it), the layout the kernels read without shuffles.
 
-- **First moment** (``encode_m`` / ``decode_m``): 4-bit signed codes in [-7, 7], one bf16 scale per
-  block, rounded to nearest. The scale is amax / 7 rounded *up* to bf16 (bf16 has fp32's exponent
-  range: no underflow at |m| ~ 1e-30), and the codes are computed against the rounded scale, so
-  decode uses the lattice encode used. Nearest rounding, not stochastic: its variance is half that
-  of stochastic rounding (measured: update cosine 0.956 vs 0.927), but a code step is the block's
-  amax / 7, so a small element's code stays put until 0.1 |g - m| exceeds half of it, a drag that
-  stalled one of three convergence runs (docs/turbo_adam.md, "m's nearest rounding stalls").
+- **First moment** (``encode_m`` / ``decode_m``): m relative to the root of the second moment
+  as the next step decodes it, w = m / sqrt(v_dec), in 4-bit signed codes in [-7, 7] with one bf16
+  scale per block, stochastically rounded. The scale is amax |w| / 7 rounded *up* to bf16 (bf16
+  has fp32's exponent range: no underflow), and the codes are computed against the rounded scale,
+  so decode (q scale sqrt(v_dec)) uses the lattice encode used. Why relative to sqrt(v): a block's
+  elements then share a scale in units of their own update, so an element whose gradients are
+  small beside its block's largest keeps its share of the update (with m coded as is, a code step
+  of amax / 7 lost them: update cosine 0.63 where a row's columns differ by 2 decades). Why
+  stochastic: with nearest rounding a code stays put until 0.1 |g - m| exceeds half a code step,
+  a drag that stalled one of three convergence runs (docs/turbo_adam.md, "m's codec").
 - **Second moment, factored** (``FACTORED``, matrices): Adafactor's row and column means of g²
   (exact fp32 EMAs) give a base r_i c_j / mean(c); each element keeps a 2-bit code k in
   {-1.5, -0.5, 0.5, 1.5} with v = base * 2^(k / 3). The base moves with the element's own expected motion,
@@ -34,10 +37,12 @@ import torch
 from torch import Tensor
 
 from ..shared.log_codes import (
+    blocks_of,
     decode_linear,
     decode_log,
     encode_linear,
     encode_log,
+    flat_rows,
     pack_planar,
     stochastic_round,
     unpack_planar,
@@ -53,16 +58,34 @@ FACTORED_LOW = -1.5  # the factored codes 0..3 stand for k = -1.5..1.5
 FACTORED_RATIOS = tuple(2.0 ** ((k + FACTORED_LOW) / 3) for k in range(4))
 
 
-def encode_m(m: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """fp32 m (R, C) -> (4-bit codes, planar-packed uint8 (R, planar_bytes(C, 4)), bf16 scales
-    (R, ceil(C / block))): ``log_codes.encode_linear`` at 7 levels."""
-    q, scale = encode_linear(m, M_LEVELS, block)
+M_STREAM = 0x6A09E667  # the random stream of m's rounding (log_codes.plane_uniforms), apart from v's
+
+
+def inverse_root(v: Tensor) -> Tensor:
+    """1 / sqrt(v) of an exact second moment, 0 where v = 0 (an element that never had a gradient:
+    its m is 0 too)."""
+    return torch.where(v > 0, torch.rsqrt(torch.where(v > 0, v, torch.ones_like(v))), torch.zeros_like(v))
+
+
+def root(v: Tensor) -> Tensor:
+    """sqrt(v) as the kernels take it, v rsqrt(max(v, FLT_MIN)): 0 for 0."""
+    return v * torch.rsqrt(v.clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def encode_m(m: Tensor, root_inv: Tensor, block: int, u: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 m (R, C) relative to sqrt(v), ``root_inv`` (R, C) 1 / sqrt of the second moment as the
+    next step decodes it (``inverse_root``, ``factored_inverse_root``, ``log_inverse_root``),
+    rounded stochastically with uniforms u (R, C) -> (4-bit codes, planar-packed uint8
+    (R, planar_bytes(C, 4)), bf16 scales (R, ceil(C / block))): ``log_codes.encode_linear`` of
+    m / sqrt(v) at 7 levels."""
+    q, scale = encode_linear(m * root_inv, M_LEVELS, block, u)
     return pack_planar(q + M_LEVELS, 4, pad=M_LEVELS), scale  # padding: the code of 0, as the kernels write
 
 
-def decode_m(codes: Tensor, scale: Tensor, cols: int, block: int) -> Tensor:
-    """``encode_m``'s inverse: fp32 (R, cols)."""
-    return decode_linear(unpack_planar(codes, 4, cols) - M_LEVELS, scale, block)
+def decode_m(codes: Tensor, scale: Tensor, v: Tensor, block: int) -> Tensor:
+    """``encode_m``'s inverse given the decoded v (R, cols) it was coded against: fp32 (R, cols)."""
+    cols = v.shape[1]
+    return decode_linear(unpack_planar(codes, 4, cols) - M_LEVELS, scale, block) * root(v)
 
 
 def factored_base(row: Tensor, col: Tensor, col_mean: Tensor | None = None) -> Tensor:
@@ -96,6 +119,24 @@ def encode_v_factored(v: Tensor, row: Tensor, col: Tensor, u: Tensor, col_mean: 
     x = torch.where(ok, (torch.log2(torch.where(ok, v, torch.ones_like(v))) - log2_base) * (1 / step),
                     torch.zeros_like(v))  # fmt: skip
     return pack_planar(stochastic_round(x - FACTORED_LOW, u).clamp_(0, (1 << bits) - 1), bits)
+
+
+def factored_inverse_root(codes: Tensor, row: Tensor, col: Tensor, col_mean: Tensor | None = None) -> Tensor:
+    """1 / sqrt of the factored v that ``codes`` decode to, (R, C) fp32, taken in the log domain as
+    the kernels take it: 2^(-(3 log2 base + k) / 6), 0 where the base is 0."""
+    log2_base3 = torch.log2(col)[None, :] * 3.0 + (torch.log2(row_factor(row, col, col_mean)) * 3.0)[:, None]
+    k = unpack_planar(codes, 2, col.numel()).float() + FACTORED_LOW
+    ok = log2_base3 > -torch.inf
+    return torch.where(ok, torch.exp2((log2_base3 + k) * (-1.0 / 6.0)), torch.zeros_like(log2_base3))
+
+
+def log_inverse_root(codes: Tensor, base: Tensor, codec: str, cols: int, block: int) -> Tensor:
+    """1 / sqrt of the per-element log codes' v, (R, cols) fp32: 2^(-(base + code) step / 2), 0 for
+    code 0."""
+    bits, step = V_CODECS[codec]
+    c = blocks_of(unpack_planar(codes, bits, cols).float(), block)
+    r = torch.where(c > 0, torch.exp2((base.float()[..., None] + c) * -(step / 2)), torch.zeros_like(c))
+    return flat_rows(r)[:, :cols]
 
 
 def decode_v_log(codes: Tensor, base: Tensor, codec: str, cols: int, block: int) -> Tensor:

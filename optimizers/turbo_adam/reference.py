@@ -61,17 +61,22 @@ def init_state(p: Tensor, layout: Layout) -> dict[str, Tensor]:
 def decoded_moments(state: dict[str, Tensor], shape: tuple[int, int], layout: Layout) -> tuple[Tensor, Tensor]:
     """(m, v) fp32 (rows, cols) as stored."""
     _, cols = shape
-    if layout.compress_m:
-        m = codecs.decode_m(state["exp_avg_codes"], state["exp_avg_scale"], cols, layout.block)
+    v = decoded_v(state, cols, layout)
+    if layout.compress_m:  # coded relative to sqrt(v): v first
+        m = codecs.decode_m(state["exp_avg_codes"], state["exp_avg_scale"], v, layout.block)
     else:
         m = matrix_view(state["exp_avg"]).to(torch.float32, copy=True)
-    if layout.v_codec is None:
-        v = matrix_view(state["exp_avg_sq"]).to(torch.float32, copy=True)
-    elif layout.v_codec == codecs.FACTORED:
-        v = codecs.decode_v_factored(state["exp_avg_sq_codes"], state["exp_avg_sq_row"], state["exp_avg_sq_col"])
-    else:
-        v = codecs.decode_v_log(state["exp_avg_sq_codes"], state["exp_avg_sq_base"], layout.v_codec, cols, layout.block)
     return m, v
+
+
+def decoded_v(state: dict[str, Tensor], cols: int, layout: Layout) -> Tensor:
+    """v fp32 (rows, cols) as stored (the factored codec against the row and column means the state
+    holds)."""
+    if layout.v_codec is None:
+        return matrix_view(state["exp_avg_sq"]).to(torch.float32, copy=True)
+    if layout.v_codec == codecs.FACTORED:
+        return codecs.decode_v_factored(state["exp_avg_sq_codes"], state["exp_avg_sq_row"], state["exp_avg_sq_col"])
+    return codecs.decode_v_log(state["exp_avg_sq_codes"], state["exp_avg_sq_base"], layout.v_codec, cols, layout.block)
 
 
 def turbo_adam_step(p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: Layout, *, lr: float, beta1: float,
@@ -117,23 +122,34 @@ def store_moments(state: dict[str, Tensor], m: Tensor, v: Tensor, layout: Layout
     state holds. ``step`` and the elements' global indices (rows ``rows_index``, default 0..rows-1)
     pick the random bits."""
     rows, cols = m.shape
-    if layout.compress_m:
-        codes, scale = codecs.encode_m(m, layout.block)
+    if rows_index is None:
+        rows_index = torch.arange(rows, dtype=torch.int64, device=m.device)
+    if layout.v_codec is None:
+        matrix_view(state["exp_avg_sq"]).copy_(v)
+    else:
+        u = log_codes.plane_uniforms(seed, step, rows_index, cols)
+        if layout.v_codec == codecs.FACTORED:
+            codes = codecs.encode_v_factored(v, state["exp_avg_sq_row"], state["exp_avg_sq_col"], u)
+        else:
+            codes = codecs.encode_v_log(v, state["exp_avg_sq_base"], layout.v_codec, layout.block, u)
+        state["exp_avg_sq_codes"].copy_(codes)
+    if layout.compress_m:  # against v as the next step decodes it
+        u = log_codes.plane_uniforms(seed, step, rows_index, cols, codecs.M_STREAM)
+        codes, scale = codecs.encode_m(m, stored_inverse_root(state, v, cols, layout), layout.block, u)
         state["exp_avg_codes"].copy_(codes)
         state["exp_avg_scale"].copy_(scale)
     else:
         matrix_view(state["exp_avg"]).copy_(m)
+
+
+def stored_inverse_root(state: dict[str, Tensor], v: Tensor, cols: int, layout: Layout) -> Tensor:
+    """1 / sqrt of v (rows, cols) as ``state`` now stores it (v: the exact value, where kept exact)."""
     if layout.v_codec is None:
-        matrix_view(state["exp_avg_sq"]).copy_(v)
-        return
-    if rows_index is None:
-        rows_index = torch.arange(rows, dtype=torch.int64, device=m.device)
-    u = log_codes.plane_uniforms(seed, step, rows_index, cols)
+        return codecs.inverse_root(v)
     if layout.v_codec == codecs.FACTORED:
-        codes = codecs.encode_v_factored(v, state["exp_avg_sq_row"], state["exp_avg_sq_col"], u)
-    else:
-        codes = codecs.encode_v_log(v, state["exp_avg_sq_base"], layout.v_codec, layout.block, u)
-    state["exp_avg_sq_codes"].copy_(codes)
+        return codecs.factored_inverse_root(state["exp_avg_sq_codes"], state["exp_avg_sq_row"], state["exp_avg_sq_col"])
+    return codecs.log_inverse_root(state["exp_avg_sq_codes"], state["exp_avg_sq_base"], layout.v_codec, cols,
+                                   layout.block)  # fmt: skip
 
 
 def layout_of_state(state: dict[str, Tensor], cols: int, block: int) -> Layout:
