@@ -3,6 +3,7 @@ behaviour, and its fidelity to exact AdamW on the benchmark's stream."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -264,6 +265,32 @@ def _stepped(opt, params, steps=3, seed=0):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
+
+
+def test_a_state_dict_of_the_earlier_m_codec_is_converted_on_load():
+    """A state dict whose groups lack ``m_codec`` holds m itself per block (the earlier codec): its
+    m is decoded that way and re-encoded: two roundings of a code step of amax / 7 (normwise about
+    0.12 nearest, then 0.12-0.17 stochastic: measured 0.17), where reading those codes as m / sqrt(v)
+    would scale m by sqrt(v) ~ 1e-3."""
+    w = torch.nn.Parameter(torch.randn(64, 256))
+    opt = TurboAdam([w], lr=1e-3)
+    _stepped(opt, [w])
+    m = opt.decoded_state(w)["exp_avg"]
+    saved = opt.state_dict()
+    q, scale = log_codes.encode_linear(m, codecs.M_LEVELS, 128)  # the earlier codec's codes of this m
+    saved["state"][0]["exp_avg_codes"] = log_codes.pack_planar(q + codecs.M_LEVELS, 4, pad=codecs.M_LEVELS)
+    saved["state"][0]["exp_avg_scale"] = scale
+    as_new = TurboAdam([torch.nn.Parameter(w.detach().clone())], lr=1e-3)
+    as_new.load_state_dict(copy.deepcopy(saved))
+    del saved["param_groups"][0]["m_codec"]
+    twin = torch.nn.Parameter(w.detach().clone())
+    earlier = TurboAdam([twin], lr=1e-3)
+    earlier.load_state_dict(saved)
+    got = earlier.decoded_state(twin)["exp_avg"]
+    assert earlier.param_groups[0]["m_codec"] == codecs.M_CODEC and "exp_avg_codes" in earlier.state[twin]
+    assert float((got - m).norm() / m.norm()) < 0.3
+    misread = as_new.decoded_state(as_new.param_groups[0]["params"][0])["exp_avg"]
+    assert float(misread.norm() / m.norm()) < 0.1
 
 
 def test_torch_adamws_checkpoint_loads_and_its_own_exports_to_torch_adamw():

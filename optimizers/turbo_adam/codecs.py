@@ -59,6 +59,9 @@ FACTORED_RATIOS = tuple(2.0 ** ((k + FACTORED_LOW) / 3) for k in range(4))
 
 
 M_STREAM = 0x6A09E667  # the random stream of m's rounding (log_codes.plane_uniforms), apart from v's
+# The first moment's codec, recorded in every param group: a state dict whose groups lack it was
+# saved with the earlier codec (m itself per block), whose codes ``decode_m_unscaled`` reads.
+M_CODEC = "m_over_root_v"
 
 
 def inverse_root(v: Tensor) -> Tensor:
@@ -86,6 +89,11 @@ def decode_m(codes: Tensor, scale: Tensor, v: Tensor, block: int) -> Tensor:
     """``encode_m``'s inverse given the decoded v (R, cols) it was coded against: fp32 (R, cols)."""
     cols = v.shape[1]
     return decode_linear(unpack_planar(codes, 4, cols) - M_LEVELS, scale, block) * root(v)
+
+
+def decode_m_unscaled(codes: Tensor, scale: Tensor, cols: int, block: int) -> Tensor:
+    """fp32 m (R, cols) of the earlier codec's codes (q scale, m itself per block; before ``M_CODEC``)."""
+    return decode_linear(unpack_planar(codes, 4, cols) - M_LEVELS, scale, block)
 
 
 def factored_base(row: Tensor, col: Tensor, col_mean: Tensor | None = None) -> Tensor:

@@ -31,7 +31,7 @@ from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.state_device import follow_param
-from ..shared.state_dict import checked_load, own_loaded_state
+from ..shared.state_dict import checked_load, own_loaded_state, saved_params
 from ..shared.steppers import group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, STEP_SUM, TOTAL, Telemetry
 from . import codecs
@@ -73,8 +73,8 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
             and the element).
 
     State per parameter: ``step``; the first moment as ``exp_avg`` (fp32) or ``exp_avg_codes``
-    (uint8, two 4-bit codes a byte, rows x ceil(cols / 2)) with ``exp_avg_scale`` (bf16, one per
-    block); the second moment as ``exp_avg_sq`` (fp32) or ``exp_avg_sq_codes`` (uint8) with
+    (uint8, two 4-bit codes of exp_avg / sqrt(exp_avg_sq as decoded) a byte, rows x 64 per 128
+    columns) with ``exp_avg_scale`` (bf16, one per block); the second moment as ``exp_avg_sq`` (fp32) or ``exp_avg_sq_codes`` (uint8) with
     ``exp_avg_sq_row`` / ``exp_avg_sq_col`` (fp32 row and column means, factored) or
     ``exp_avg_sq_base`` (int16 per block, per-element codes). ``decoded_state(p)`` gives the moments
     as torch AdamW keeps them, ``adamw_state_dict()`` a state dict torch.optim.AdamW loads, and
@@ -135,7 +135,7 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size, v_bits=v_bits,
                         compress_m=compress_m, compress_v=compress_v, capturable=capturable,
                         min_m_compress_elements=min_m_compress_elements,
-                        min_v_compress_elements=min_v_compress_elements,
+                        min_v_compress_elements=min_v_compress_elements, m_codec=codecs.M_CODEC,
                         **{**_ADAMW_KEYS, "foreach": foreach, "fused": fused})  # fmt: skip
         for name, value in (("m_block_size", m_block_size), ("m_step_factor", m_step_factor)):
             if value is not None:  # turboadam's first-moment codec options: ours has no counterpart
@@ -211,10 +211,11 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         """torch's loader, then every state tensor back in its saved dtype (torch casts floating
         states to the parameter dtype: bf16 scales and fp32 moments of a bf16 param would change);
         a state kept otherwise than this optimizer keeps it (torch AdamW's moments, other
-        thresholds or ``v_bits``) is converted."""
+        thresholds or ``v_bits``, the earlier first-moment codec) is converted."""
         with checked_load(self):
             super().load_state_dict(state_dict)
             own_loaded_state(self, state_dict, lambda p, key, saved: True)
+            self._decode_earlier_m_codes(state_dict)
             for index, group in enumerate(self.param_groups):
                 for key, value in self.defaults.items():  # torch AdamW's groups lack the codec options
                     group.setdefault(key, value)
@@ -232,6 +233,26 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
                                                "state saved with the same options")  # fmt: skip
                         self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
         self._exact_plans, self._plans = {}, {}
+
+    def _decode_earlier_m_codes(self, state_dict: dict) -> None:
+        """The first moments of groups saved without ``m_codec`` (the earlier codec: m itself per
+        block) decoded to fp32 ``exp_avg``, which ``load_state_dict`` then re-encodes."""
+        owner = saved_params(state_dict, self.param_groups)
+        for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            if "m_codec" in saved:
+                continue
+            for key in saved["params"]:
+                p = owner[key]
+                state = self.state.get(p, {})
+                if "exp_avg_codes" not in state:
+                    continue
+                if isinstance(p, DTensor):
+                    raise RuntimeError("TurboAdam: this sharded state dict was saved with the earlier first-moment "
+                                       "codec; load it unsharded once and save it again")  # fmt: skip
+                cols = math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel()
+                m = codecs.decode_m_unscaled(state.pop("exp_avg_codes"), state.pop("exp_avg_scale"), cols,
+                                             group["block_size"])  # fmt: skip
+                state["exp_avg"] = m.reshape(p.shape)
 
     @eager_step
     @torch.no_grad()
