@@ -74,7 +74,8 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
 
     State per parameter: ``step``; the first moment as ``exp_avg`` (fp32) or ``exp_avg_codes``
     (uint8, two 4-bit codes of exp_avg / sqrt(exp_avg_sq as decoded) a byte, rows x 64 per 128
-    columns) with ``exp_avg_scale`` (bf16, one per block); the second moment as ``exp_avg_sq`` (fp32) or ``exp_avg_sq_codes`` (uint8) with
+    columns) with ``exp_avg_scale`` (bf16, one per block); the second moment as ``exp_avg_sq``
+    (fp32) or ``exp_avg_sq_codes`` (uint8) with
     ``exp_avg_sq_row`` / ``exp_avg_sq_col`` (fp32 row and column means, factored) or
     ``exp_avg_sq_base`` (int16 per block, per-element codes). ``decoded_state(p)`` gives the moments
     as torch AdamW keeps them, ``adamw_state_dict()`` a state dict torch.optim.AdamW loads, and
