@@ -37,12 +37,10 @@ import torch
 from torch import Tensor
 
 from ..shared.log_codes import (
-    blocks_of,
     decode_linear,
     decode_log,
     encode_linear,
     encode_log,
-    flat_rows,
     pack_planar,
     stochastic_round,
     unpack_planar,
@@ -87,8 +85,7 @@ def encode_m(m: Tensor, root_inv: Tensor, block: int, u: Tensor) -> tuple[Tensor
 
 def decode_m(codes: Tensor, scale: Tensor, v: Tensor, block: int) -> Tensor:
     """``encode_m``'s inverse given the decoded v (R, cols) it was coded against: fp32 (R, cols)."""
-    cols = v.shape[1]
-    return decode_linear(unpack_planar(codes, 4, cols) - M_LEVELS, scale, block) * root(v)
+    return decode_m_unscaled(codes, scale, v.shape[1], block) * root(v)
 
 
 def decode_m_unscaled(codes: Tensor, scale: Tensor, cols: int, block: int) -> Tensor:
@@ -140,11 +137,9 @@ def factored_inverse_root(codes: Tensor, row: Tensor, col: Tensor, col_mean: Ten
 
 def log_inverse_root(codes: Tensor, base: Tensor, codec: str, cols: int, block: int) -> Tensor:
     """1 / sqrt of the per-element log codes' v, (R, cols) fp32: 2^(-(base + code) step / 2), 0 for
-    code 0."""
+    code 0 (``decode_log`` on a grid of -step / 2, a power of two too: the exponent stays exact)."""
     bits, step = V_CODECS[codec]
-    c = blocks_of(unpack_planar(codes, bits, cols).float(), block)
-    r = torch.where(c > 0, torch.exp2((base.float()[..., None] + c) * -(step / 2)), torch.zeros_like(c))
-    return flat_rows(r)[:, :cols]
+    return decode_log(unpack_planar(codes, bits, cols), base, -step / 2, block)
 
 
 def decode_v_log(codes: Tensor, base: Tensor, codec: str, cols: int, block: int) -> Tensor:

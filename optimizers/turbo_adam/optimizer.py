@@ -250,9 +250,8 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
                 if isinstance(p, DTensor):
                     raise RuntimeError("TurboAdam: this sharded state dict was saved with the earlier first-moment "
                                        "codec; load it unsharded once and save it again")  # fmt: skip
-                cols = math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel()
-                m = codecs.decode_m_unscaled(state.pop("exp_avg_codes"), state.pop("exp_avg_scale"), cols,
-                                             group["block_size"])  # fmt: skip
+                m = codecs.decode_m_unscaled(state.pop("exp_avg_codes"), state.pop("exp_avg_scale"),
+                                             matrix_view(p).shape[1], group["block_size"])  # fmt: skip
                 state["exp_avg"] = m.reshape(p.shape)
 
     @eager_step
