@@ -326,6 +326,25 @@ def test_torch_adamws_checkpoint_loads_and_its_own_exports_to_torch_adamw():
     assert float(u @ ue / (u.norm() * ue.norm())) >= 0.9
 
 
+@pytest.mark.parametrize("shape", [(32, 32), (64, 128), (4096,)])
+def test_a_compressed_state_of_another_shape_is_refused_and_the_optimizer_keeps_its_own(shape):
+    """Codes of a 64 x 64 matrix loaded for a parameter of another shape (kept exact, compressed
+    with other columns, or a vector's log codes): converting them to this parameter's layout read
+    them against its rows and columns and failed deep in a reshape; now the loaded shapes are
+    checked against the layout first."""
+    torch.manual_seed(0)
+    other = torch.nn.Parameter(torch.randn(64, 64))
+    other_opt = TurboAdam([other], lr=1e-3)
+    _stepped(other_opt, [other])
+    w = torch.nn.Parameter(torch.randn(shape))
+    opt = TurboAdam([w], lr=1e-3)
+    _stepped(opt, [w])
+    own = {k: v.clone() for k, v in opt.state[w].items()}
+    with pytest.raises(ValueError, match="state '.*' of parameter 0 .* state dict of another model"):
+        opt.load_state_dict(other_opt.state_dict())
+    assert own.keys() == opt.state[w].keys() and all(torch.equal(v, opt.state[w][k]) for k, v in own.items())
+
+
 def test_grad_scalers_scale_is_divided_out_and_an_inf_skips_the_step():
     torch.manual_seed(0)
     w, ref = torch.nn.Parameter(torch.randn(64, 128)), None

@@ -34,6 +34,13 @@ def own_loaded_state(optimizer, state_dict: dict, keep_saved_dtype: Callable[[Te
                 state[name] = source.to(p.device, copy=True)
 
 
+def shape_mismatch(key: str, index: int, group: int, p: Tensor, value: Tensor, keeps: tuple[int, ...]) -> ValueError:
+    """The error for a loaded state tensor ``value`` (under ``key``, of parameter ``index`` of param
+    group ``group``) whose shape is not ``keeps``, the shape the optimizer keeps for ``p``."""
+    return ValueError(f"load_state_dict: state {key!r} of parameter {index} of group {group} (shape {tuple(p.shape)}) "
+                      f"has shape {tuple(value.shape)}, where this optimizer keeps {tuple(keeps)}: a state dict of "
+                      "another model?")  # fmt: skip
+
 
 def _state_shapes(optimizer) -> dict[int, dict[str, tuple[int, ...]]]:
     """The shape of each state tensor (a DTensor's global shape), by ``id`` of its parameter."""
@@ -56,9 +63,7 @@ def checked_load(optimizer) -> Iterator[None]:
                 expected = before.get(id(p), {})
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, Tensor) and key in expected and tuple(value.shape) != expected[key]:
-                        raise ValueError(f"load_state_dict: state {key!r} of parameter {pi} of group {gi} (shape "
-                                         f"{tuple(p.shape)}) has shape {tuple(value.shape)}, where this optimizer "
-                                         f"keeps {expected[key]}: a state dict of another model?")  # fmt: skip
+                        raise shape_mismatch(key, pi, gi, p, value, expected[key])
     except BaseException:
         optimizer.state, optimizer.param_groups = state, groups
         raise

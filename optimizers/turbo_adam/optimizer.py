@@ -31,7 +31,7 @@ from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
 from ..shared.shard_sums import ShardSums
 from ..shared.state_device import follow_param
-from ..shared.state_dict import checked_load, own_loaded_state, saved_params
+from ..shared.state_dict import checked_load, own_loaded_state, saved_params, shape_mismatch
 from ..shared.steppers import group_state_init, group_stepper
 from ..shared.telemetry import AMAX_UPDATE, SKIPPED_STEPS, STEP_SUM, TOTAL, Telemetry
 from . import codecs
@@ -216,6 +216,7 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         with checked_load(self):
             super().load_state_dict(state_dict)
             own_loaded_state(self, state_dict, lambda p, key, saved: True)
+            self._check_loaded_shapes()
             self._decode_earlier_m_codes(state_dict)
             for index, group in enumerate(self.param_groups):
                 for key, value in self.defaults.items():  # torch AdamW's groups lack the codec options
@@ -234,6 +235,22 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
                                                "state saved with the same options")  # fmt: skip
                         self.state[p] = convert_state(p, state, target, self._param_seed(index, i))
         self._exact_plans, self._plans = {}, {}
+
+    def _check_loaded_shapes(self) -> None:
+        """ValueError where a loaded state tensor's shape is not the one its layout (read from its
+        keys) keeps for its parameter: a state dict of another model, whose conversion to this
+        optimizer's layout would read its codes against the wrong rows and columns."""
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                if not state:
+                    continue
+                cols = math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel()
+                layout = layout_of_state(state, cols, group.get("block_size", self.defaults["block_size"]))
+                keeps = init_state(torch.empty(p.shape, dtype=p.dtype, device="meta"), layout)
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and key in keeps and value.shape != keeps[key].shape:
+                        raise shape_mismatch(key, pi, gi, p, value, tuple(keeps[key].shape))
 
     def _decode_earlier_m_codes(self, state_dict: dict) -> None:
         """The first moments of groups saved without ``m_codec`` (the earlier codec: m itself per
