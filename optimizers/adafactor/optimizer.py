@@ -26,7 +26,7 @@ from torch import Tensor
 from kernel_factory.generator import backend_mode
 
 from ..shared import log_codes, precompile
-from ..shared.checks import check_param_grad, start_step
+from ..shared.checks import check_param_grad, check_real, start_step
 from ..shared.dtensor import DTensor, local
 from ..shared.eager import eager_step
 from ..shared.picklable import KeepsSettings
@@ -95,12 +95,18 @@ class Adafactor(KeepsSettings, torch.optim.Optimizer):
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
+        if not isinstance(lr, Tensor):
+            check_real(lr=lr)
+        check_real(beta2_decay=beta2_decay, d=d, weight_decay=weight_decay)
+        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int):
+            raise TypeError(f"rounding_seed must be an int, got {rounding_seed!r}")
         if not 0.0 <= lr:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
         if not 0.0 >= beta2_decay:
             raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
             raise TypeError(f"eps must be a pair (eps1 or None, eps2), as torch.optim.Adafactor's, got {eps!r}")
+        check_real(**{"eps[1]": eps[1]}, **({} if eps[0] is None else {"eps[0]": eps[0]}))
         if eps[0] is not None and not 0.0 <= eps[0]:
             raise ValueError(f"epsilon1 should be >= 0 but is: {eps[0]}")
         if not 0.0 <= eps[1]:

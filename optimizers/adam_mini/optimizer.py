@@ -24,6 +24,7 @@ from ..shared.buckets import kernel_path, warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_param_grad,
+    check_real,
     checked_grads,
     start_step,
 )
@@ -147,6 +148,7 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
             raise ValueError(f"momentum_dtype must be one of {sorted(MOMENTUM_DTYPES)}, got {momentum_dtype!r}")
         if sub_block not in SUB_BLOCKS:
             raise ValueError(f"sub_block must be one of {SUB_BLOCKS}, got {sub_block!r}")
+        check_real(fallback_capacity=fallback_capacity)
         if not 0.0 < fallback_capacity <= 1.0:
             raise ValueError(f"fallback_capacity must be in (0, 1], got {fallback_capacity!r}")
         self.model_shape = ModelShape(dim, n_heads, n_kv_heads, head_dim)

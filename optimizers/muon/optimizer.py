@@ -23,6 +23,7 @@ from ..shared import precompile
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_lr,
+    check_real,
     start_step,
 )
 from ..shared.dtensor import DTensor
@@ -93,6 +94,10 @@ class Muon(KeepsSettings, torch.optim.Optimizer):
         adamw_names: Iterable[str] = ADAMW_NAMES,
     ) -> None:
         check_lr(lr)
+        check_real(momentum=momentum, weight_decay=weight_decay, eps=eps)
+        if isinstance(adamw_names, str):  # iterated, a string would give its letters
+            raise TypeError(f"adamw_names must be an iterable of name substrings, not a str: got {adamw_names!r}; "
+                            f"write ({adamw_names!r},)")  # fmt: skip
         if not 0.0 <= momentum:
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
         if not 0.0 <= weight_decay:

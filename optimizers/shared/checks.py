@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -14,6 +16,22 @@ _STATE_DTYPES = {
     "float32": torch.float32,
     torch.float32: torch.float32,
 }
+
+
+def check_real(**values) -> None:
+    """TypeError naming the first of ``values`` (name=value) that is not a real number (an int or
+    float, numpy's included; a bool is not one): the range checks after it would otherwise fail in
+    a comparison whose message names no parameter (torch.optim's do)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+
+
+def check_non_negative_int(**values) -> None:
+    """ValueError naming the first of ``values`` (name=value) that is not an int >= 0."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
 def check_lr(lr: float | Tensor) -> None:
@@ -36,6 +54,7 @@ def check_adam_hyperparameters(lr, betas, eps, weight_decay) -> None:
     torch's foreach path, a Tensor lr or Tensor betas are taken with ``foreach=True`` too (the
     kernels read lr on the device; tensor betas must be 1-element CPU tensors, read on the host)."""
     check_lr(lr)
+    check_real(eps=eps)
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -43,8 +62,11 @@ def check_adam_hyperparameters(lr, betas, eps, weight_decay) -> None:
     for i, beta in enumerate(betas):
         if isinstance(beta, Tensor) and beta.numel() != 1:  # torch fails here on bool(tensor)
             raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        if not isinstance(beta, Tensor):
+            check_real(**{f"betas[{i}]": beta})
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    check_real(weight_decay=weight_decay)
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, Tensor) for b in betas)):

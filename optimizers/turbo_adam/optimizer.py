@@ -23,6 +23,7 @@ from ..shared.buckets import warn_once
 from ..shared.checks import (
     check_adam_hyperparameters,
     check_implementation_flags,
+    check_non_negative_int,
     check_param_grad,
     start_step,
 )
@@ -128,11 +129,8 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         for name, value in (("compress_m", compress_m), ("compress_v", compress_v), ("capturable", capturable)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
-        for name, value in (("min_m_compress_elements", min_m_compress_elements),
-                            ("min_v_compress_elements", min_v_compress_elements),
-                            ("rounding_seed", rounding_seed)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        check_non_negative_int(min_m_compress_elements=min_m_compress_elements,
+                               min_v_compress_elements=min_v_compress_elements, rounding_seed=rounding_seed)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size, v_bits=v_bits,
                         compress_m=compress_m, compress_v=compress_v, capturable=capturable,
                         min_m_compress_elements=min_m_compress_elements,
