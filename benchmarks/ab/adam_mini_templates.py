@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from benchmarks.ab.measure import checked_median_ms
 from kernel_factory.generator.timing import copy_bandwidth_tbs, restoring_timer
 from kernel_factory.optimizers.adam_mini.tune import AdamMiniTuningTask
 
@@ -38,9 +39,7 @@ def main() -> None:
         if config is None:
             print(f"| {label} | {task.dtype} | {momentum} | no entry |")
             continue
-        task.configure(config)
-        error = task.check()
-        ms = sorted(timer(task)[1] for _ in range(3))[1]
+        error, ms = checked_median_ms(task, config, timer)
         print(f"| {label} | {task.dtype} | {momentum} | {config} | {ms:.4f} | {100 * task.floor_ms / ms:.1f} | "
               f"{error:.2e} |", flush=True)  # fmt: skip
         task.release()

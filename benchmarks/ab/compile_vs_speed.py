@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from benchmarks.ab.measure import checked_median_ms
 from kernel_factory.generator import ADAM_MINI, TURBO_ADAM
 from kernel_factory.generator.timing import copy_bandwidth_tbs, restoring_timer
 from kernel_factory.optimizers.adam_mini.tune import AdamMiniTuningTask
@@ -54,9 +55,7 @@ def compare(task, family, changes, tag: str, timer) -> None:
         start = time.perf_counter()
         task.precompile([config])
         seconds = time.perf_counter() - start
-        task.configure(config)
-        error = task.check()
-        ms = sorted(timer(task)[1] for _ in range(3))[1]
+        error, ms = checked_median_ms(task, config, timer)
         print(f"| {tag} | {change or 'selected'} | {seconds:.2f} s | {ms:.4f} ms | {100 * task.floor_ms / ms:.1f}% "
               f"| {error:.1e} |", flush=True)  # fmt: skip
     task.release()
