@@ -243,9 +243,9 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state:
                     continue
-                cols = math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel()
-                layout = layout_of_state(state, cols, group.get("block_size", self.defaults["block_size"]))
-                keeps = init_state(torch.empty(p.shape, dtype=p.dtype, device="meta"), layout)
+                like = torch.empty(p.shape, dtype=p.dtype, device="meta")  # a DTensor's global shape
+                block = group.get("block_size", self.defaults["block_size"])
+                keeps = init_state(like, layout_of_state(state, matrix_view(like).shape[1], block))
                 for key, value in state.items():
                     if isinstance(value, Tensor) and key in keeps and value.shape != keeps[key].shape:
                         raise shape_mismatch(key, pi, gi, p, value, tuple(keeps[key].shape))
