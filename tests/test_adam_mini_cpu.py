@@ -11,7 +11,14 @@ from mini_models import GEOMETRY, checkpoint_twin, fresh_grads, gqa_model, steps
 from tolerances import drift_tol, sum_ulps
 
 from kernel_factory.optimizers import AdamMini, NameRules
-from kernel_factory.optimizers.adam_mini.fp8 import REL_ERROR_BOUND, dequantize, new_fp8_state, quantize_
+from kernel_factory.optimizers.adam_mini.fp8 import (
+    FLUSH_BELOW,
+    REL_ERROR_BOUND,
+    UNDERFLOW_FRACTION,
+    dequantize,
+    new_fp8_state,
+    quantize_,
+)
 from kernel_factory.optimizers.parity import compare_tensors
 
 # Two implementations of the same math (adam-mini's torch ops and ours): an ulp per step plus the
@@ -182,6 +189,39 @@ def test_fp8_round_trip_is_within_the_e4m3_rounding_bound():
             x, y = m[r, j : j + 128], back[r, j : j + 128]
             # E4M3 normals round with relative error <= 2^-4 (3 mantissa bits), so normwise too.
             assert float((y - x).norm() / x.norm()) <= REL_ERROR_BOUND
+
+
+def test_fp8_momentum_too_small_for_a_scale_is_stored_as_zero_not_nan():
+    # Momentum under zero gradients decays by beta1 a step; below 448 / FLT_MAX, 448 / amax was inf
+    # and a zero element's code 0 * inf = NaN (the old rule gave [1e-37, 1e-37, nan, nan, ...]).
+    m = torch.zeros(3, 256)
+    m[0, :2] = torch.tensor([1e-37, 3e-38])  # zeros beside it, as FP8 leaves in decayed rows
+    m[1, 128:] = FLUSH_BELOW / 2  # a whole sub-block just under the threshold
+    m[2] = torch.randn(256) * 1e-25  # well above it: kept
+    state = _fp8_state(3, 256)
+    bf16, overflow = quantize_(state, m, write_half=0)
+    back = dequantize(state, 3, 256, read_half=0)
+    assert back.isfinite().all() and int(bf16) == int(overflow) == 0
+    assert (back[:2] == 0).all() and (state["exp_avg_scale"][:2] == 0).all()
+    assert float((back[2] - m[2]).double().norm() / m[2].double().norm()) <= REL_ERROR_BOUND
+
+
+def test_fp8_normwise_bound_is_never_what_sends_a_sub_block_to_bf16():
+    # The kernel runs the fallback tests only in tiles with an element that rounds to zero, which
+    # holds if the normwise bound alone never passes (fp8.py's docstring): each sub-block's
+    # magnitudes log-uniform over 0.4 to 17 decades, so that most hold subnormal or zero codes.
+    gen = torch.Generator().manual_seed(0)
+    span = torch.linspace(1.0, 40.0, 2000)[:, None]  # natural log of the ratio largest / smallest
+    m = torch.exp(-span * torch.rand(2000, 128, generator=gen)) * torch.randn(2000, 128, generator=gen).sign()
+    state = _fp8_state(2000, 128, capacity=1.0)  # every request granted: pooled = wanted
+    quantize_(state, m, write_half=0)
+    pooled = state["exp_avg_scale"][:, 0] < 0
+    scale = m.abs().amax(dim=1) / 448
+    zeros = ((m != 0) & ((m / scale[:, None]).to(torch.float8_e4m3fn).float() == 0)).sum(dim=1)
+    assert torch.equal(pooled, zeros > UNDERFLOW_FRACTION * 128) and 0 < int(pooled.sum()) < 2000
+    back = dequantize(state, 2000, 128, read_half=0)
+    err = (back - m).double().norm(dim=1) / m.double().norm(dim=1)
+    assert float(err[~pooled].max()) <= REL_ERROR_BOUND
 
 
 def test_fp8_underflow_falls_back_to_bf16_and_overflows_past_capacity():

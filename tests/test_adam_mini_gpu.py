@@ -95,6 +95,26 @@ def test_bf16_params_with_fp8_momentum():
         assert row.passed, row
 
 
+def test_fp8_momentum_too_small_for_a_scale_is_zero_not_nan():
+    # m = 0.1 g of about 1e-37 beside exact zeros: 448 / amax overflowed fp32 and the zeros' codes
+    # were 0 * inf = NaN, in the kernel and the reference alike (fp8.FLUSH_BELOW).
+    a, ours, b, ref = twins("fp8")
+    target = a.names.index("layers.0.mlp.up_proj.weight")
+    for _ in range(3):
+        fresh_grads(a, b)
+        for m in (a, b):
+            g = m.params[target].grad
+            g.mul_(1e-36)[:, ::2] = 0.0
+        ours.step()
+        ref.step()
+    for (name, p), (_, q) in zip(a.named(), b.named(), strict=True):
+        assert_equal_but_for_rounding_flips(name, p, q, ours.defaults["lr"])
+        assert momentum(ours, p).isfinite().all(), name
+    p, q = a.params[target], b.params[target]
+    assert (momentum(ours, p) == 0).all() and (momentum(ref, q) == 0).all()
+    assert ours.telemetry.summary()["bf16_blocks"] == 0
+
+
 def test_forced_underflow_falls_back_to_bf16_and_is_counted():
     a, ours, b, ref = twins("fp8", fallback_capacity=1.0)
     target = a.names.index("layers.0.mlp.up_proj.weight")  # 48 rows x 32 columns: one sub-block per row

@@ -16,12 +16,16 @@ last sub-block of a row may be shorter; sub-blocks never cross rows):
 
 A sub-block falls back to bf16 when FP8 would lose it: more than UNDERFLOW_FRACTION of its
 elements are non-zero but round to zero, or its normwise relative error exceeds
-REL_ERROR_BOUND. An E4M3 normal number rounds with relative error at most 2^-4 (3 mantissa
-bits), so with amax scaling the bound is only passed when much of the sub-block's energy sits
-in subnormals, i.e. when the sub-block spans more than about 2^14 in magnitude (448 / 2^-6).
-Momentum of one row segment rarely does, so the pool holds FALLBACK_CAPACITY of the
-sub-blocks (at least one); when it is full a sub-block stays in FP8 and counts as an
-overflow. This module is the reference the Triton kernel follows, in plain PyTorch.
+REL_ERROR_BOUND. The second test never passes: an E4M3 normal number rounds with relative
+error at most 2^-4 (3 mantissa bits), the largest element is stored exactly (as 448), and the
+elements below E4M3's normals (|m| < amax 2^-6 / 448) err by at most 2^-10 of a code each, so
+the squared error stays under 2^-8 sum m^2 by at least 2^-8 448^2 codes^2 (the kernel therefore
+runs the tests only in a tile with an element that rounds to zero). The underflow test passes
+when a sub-block spans more than about 2^18 in magnitude (448 / 2^-10); momentum of one row
+segment rarely does, so the pool holds FALLBACK_CAPACITY of the sub-blocks (at least one); when
+it is full a sub-block stays in FP8 and counts as an overflow. A sub-block whose largest |m| is
+below FLUSH_BELOW is stored as zero (scale 0), FP8 and never pooled. This module is the
+reference the Triton kernel follows, in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ E4M3_MAX = 448.0
 UNDERFLOW_FRACTION = 1 / 16
 REL_ERROR_BOUND = 2.0**-4
 FALLBACK_CAPACITY = 1 / 1024
+# Momentum decays by beta1 a step where the gradient stays zero (an embedding row of a token the
+# data lacks: below 1e-36 after about 800 steps at beta1 = 0.9). Past amax < 448 / FLT_MAX
+# (1.3e-36), 448 / amax overflows and a zero element's code became 0 * inf = NaN; from 2^-100 up
+# the scale amax / 448 and every decoded value stay normal fp32, so no GPU's flush of subnormals
+# to zero can differ from this reference. An update of such momentum is below lr / eps 2^-100.
+FLUSH_BELOW = 2.0**-100
 SUB_BLOCKS = (128, 256)
 
 
@@ -86,6 +96,8 @@ def quantize_(state: dict, m: Tensor, write_half: int) -> tuple[Tensor, Tensor]:
     lengths = torch.full((per_row,), sub_block, device=m.device)
     lengths[-1] = cols - (per_row - 1) * sub_block
     amax = x.abs().amax(dim=-1)
+    amax = torch.where(amax < FLUSH_BELOW, torch.zeros_like(amax), amax)
+    x = torch.where((amax > 0)[..., None], x, torch.zeros_like(x))  # flushed sub-blocks: zero
     scale = amax / E4M3_MAX
     inv = torch.where(amax > 0, E4M3_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
     q = (x * inv[..., None]).to(torch.float8_e4m3fn)  # the kernel's order: one division per sub-block
