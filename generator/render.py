@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 import threading
 from collections.abc import Mapping
@@ -42,10 +43,23 @@ def template_source(family: KernelFamily) -> str:
     return resources.files(_TEMPLATE_PACKAGE).joinpath(family.template).read_text(encoding="utf-8")
 
 
+# Jinja comments ({# ... #}, never rendered) and whole-line Python comments: text a kernel's code
+# does not depend on, left out of the hash so that editing them keeps the tuned entries.
+_JINJA_COMMENT_LINES = re.compile(r"^[ \t]*\{#.*?#\}[ \t]*\n", re.DOTALL | re.MULTILINE)
+_JINJA_COMMENT = re.compile(r"\{#.*?#\}", re.DOTALL)
+_COMMENT_LINE = re.compile(r"^[ \t]*#[^\n]*\n", re.MULTILINE)
+
+
+def template_code(source: str) -> str:
+    """A template's source without its comments (see above): what ``template_hash`` hashes."""
+    return _COMMENT_LINE.sub("", _JINJA_COMMENT.sub("", _JINJA_COMMENT_LINES.sub("", source)))
+
+
 @cache
 def template_hash(family: KernelFamily) -> str:
-    """sha256 of the family's template source: a cache entry tuned on another source is stale."""
-    return hashlib.sha256(template_source(family).encode()).hexdigest()
+    """sha256 of the family's template source less its comments (``template_code``): a cache entry
+    tuned on other code is stale; one tuned before a comment changed is not."""
+    return hashlib.sha256(template_code(template_source(family)).encode()).hexdigest()
 
 
 @cache

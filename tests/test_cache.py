@@ -60,6 +60,20 @@ def test_stale_template_hash_is_ignored_with_a_warning(arch_files):
     assert config == ADAMW.default_config
 
 
+def test_template_hash_ignores_comments_but_not_code():
+    """Editing a template's comments keeps its tuned entries; editing its code stales them."""
+    from kernel_factory.generator.render import template_code, template_source
+
+    source = template_source(ADAMW)
+    added = "{# a new Jinja\n   comment #}\n    # a new comment line\nimport triton\n"
+    commented = source.replace("import triton\n", added, 1)
+    assert commented != source and template_code(commented) == template_code(source)
+    code_edits = (source.replace("tl.store", "tl.store ", 1),
+                  source.replace("import triton\n", "import triton  # inline\n", 1))  # fmt: skip
+    for edit in code_edits:
+        assert template_code(edit) != template_code(source)  # code, and comments after code, count
+
+
 @pytest.mark.parametrize("text", ["{not json", '{"schema": 999, "entries": [], "template_hashes": {}}', "[]"])
 def test_corrupt_file_warns_and_defaults(arch_files, text):
     packaged, _ = arch_files
