@@ -206,6 +206,17 @@ def test_fp8_momentum_too_small_for_a_scale_is_stored_as_zero_not_nan():
     assert float((back[2] - m[2]).double().norm() / m[2].double().norm()) <= REL_ERROR_BOUND
 
 
+def test_the_kernel_flushes_below_the_reference_threshold():
+    # The template spells fp8.FLUSH_BELOW as a literal (Triton constexpr); the two must agree.
+    import re
+
+    from kernel_factory.generator import ADAM_MINI, render
+
+    source = render(ADAM_MINI, ADAM_MINI.variant(multi_tensor=True, param_dtype="bfloat16", momentum="float8e4nv"))
+    (literal,) = re.findall(r"^FLUSH_BELOW = tl\.constexpr\(([^)]*)\)$", source, re.MULTILINE)
+    assert float(literal) == FLUSH_BELOW and "amax < FLUSH_BELOW" in source
+
+
 def test_fp8_normwise_bound_is_never_what_sends_a_sub_block_to_bf16():
     # The kernel runs the fallback tests only in tiles with an element that rounds to zero, which
     # holds if the normwise bound alone never passes (fp8.py's docstring): each sub-block's
