@@ -1,5 +1,5 @@
 """How fast can AdamMini's whole-row update move its bytes when nothing but the update is in the
-kernel? A stripped kernel (bf16 p and g, E4M3 m through the template's inline PTX, an fp32 scale
+kernel? A stripped kernel (bf16 p and g, E4M3 m through the template's own inline PTX, an fp32 scale
 per 128 elements, a per-row second moment, the max |m| of each sub-block and the fallback tests'
 guard, reduced; no pointer tables, bf16 pool, fallback tests or head blocks) on one rows x cols tensor, in two forms:
 
@@ -20,28 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_factory.generator import ADAM_MINI, load
 from kernel_factory.generator.timing import copy_bandwidth_tbs, graph_time_ms
 
 SUB = 128
+# The template's own E4M3 conversions (inline PTX, four elements per instance).
+_FP8 = load(ADAM_MINI, ADAM_MINI.variant(multi_tensor=True, param_dtype="bfloat16", momentum="float8e4nv")).module
+_pack, _unpack = _FP8._e4m3_pack, _FP8._e4m3_unpack
 SHAPES = ((768, 512, 256, 150_000), (1024, 1024, 0, 112_000), (2048, 2048, 0, 56_000))  # cols, W0, W1, rows
-
-
-@triton.jit
-def _pack(y):
-    """E4M3 bytes of fp32 y (|y| <= 448), four per instance (the template's _e4m3_pack)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;"
-        " mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4)
-
-
-@triton.jit
-def _unpack(q):
-    """fp32 of E4M3 bytes q, four per instance (the template's _e4m3_unpack)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi, h0, h1, h2, h3; .reg .b32 a, b; mov.b32 {lo, hi}, $4;"
-        " cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b;"
-        " cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
-        "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit
