@@ -192,3 +192,17 @@ def test_8_bit_statistics_take_under_0_004_bytes_a_parameter():
 
     shapes = [("w", (768, 2048)), ("e", (4096, 768)), ("n", (768,))]
     assert adafactor_bytes_per_param(shapes, 8) < 0.004 < adafactor_bytes_per_param(shapes, 32)
+
+
+def test_an_int8_first_moment_decayed_under_zero_gradients_stays_finite():
+    # One step of gradients, then 1000 of zeros: m's bf16 block scales pass through subnormals
+    # (GPU twin: test_adafactor_gpu.py).
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 512) * 0.02)
+    opt = Adafactor([p], lr=1e-2, beta1=0.9, momentum_dtype="int8")
+    p.grad = torch.randn(8, 512) * (torch.arange(512) % 3 != 0)
+    opt.step()
+    p.grad = torch.zeros(8, 512)
+    for _ in range(1000):
+        opt.step()
+    assert p.isfinite().all() and opt.state[p]["exp_avg_scale"].float().isfinite().all()

@@ -410,3 +410,18 @@ def test_the_fidelity_streams_column_spread_scales_whole_columns():
     assert 1 <= float(factors[0].min()) and float(factors[0].max()) <= 100 and float(factors[0].max()) > 10
     unspread = list(stream((8, 64), 3, 1, 1e-2, "cpu", column_spread=0))
     assert all(torch.equal(a, b) for a, b in zip(plain, unspread, strict=True))
+
+
+@pytest.mark.parametrize("compress_m", [True, False])
+def test_moments_decayed_under_zero_gradients_stay_finite(compress_m):
+    # One step of gradients, then 1000 of zeros (a token the data lacks): m / sqrt(v) and v pass
+    # through subnormal block scales (GPU twin: test_turbo_adam_gpu.py).
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 512))
+    opt = TurboAdam([p], lr=1e-2, compress_m=compress_m)
+    p.grad = torch.randn(8, 512) * (torch.arange(512) % 3 != 0)
+    opt.step()
+    p.grad = torch.zeros(8, 512)
+    for _ in range(1000):
+        opt.step()
+    assert p.isfinite().all() and all(t.isfinite().all() for t in opt.decoded_state(p).values())
