@@ -47,6 +47,15 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, copy {bandwidth:.3f} TB/s\n")
     print("| model | cap | ROWS x warps | step ms | % of floor | error | launches: row shape, items, elements, us |")
     print("|---|---:|---|---:|---:|---:|---|")
+    cap_before = adam_mini_plan.EXACT_PER_THREAD
+    try:
+        study(models, bandwidth, timer)
+    finally:
+        adam_mini_plan.EXACT_PER_THREAD = cap_before
+
+
+def study(models, bandwidth: float, timer) -> None:
+    """The rows of ``main``: each model's task at each candidate cap and config."""
     for model in models:
         task = AdamMiniTuningTask(model, torch.bfloat16, "fp8", "cuda", bandwidth)
         task.ensure()
@@ -67,7 +76,6 @@ def main() -> None:
                   f"| {'; '.join(launches)} |", flush=True)  # fmt: skip
         task.release()
         torch.cuda.empty_cache()
-    adam_mini_plan.EXACT_PER_THREAD = 32
 
 
 if __name__ == "__main__":
