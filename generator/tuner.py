@@ -18,6 +18,8 @@ version it was tuned on, then the family's seed configs) over the family's tunab
   background threads before the first of them is checked and timed (nothing compiles while one
   is timed): a trial's compile, seconds for AdamMini's and TurboAdam's kernels on one thread, was
   most of its time;
+- where a key's time goes is kept per phase (``KeyResult.phases``: building the workload,
+  compiling, configuring, checking, timing; ``phase_report``), so a slow study says what to cut;
 - at the end the winner and the default are timed again, alternately, and the cache records
   those paired times: a config timed while the GPU was still warming up (the default, timed
   first) or one timed on a lucky run cannot win or lose by it. If the default is as fast in
@@ -42,6 +44,11 @@ from .family import KernelFamily
 from .render import user_cache_dir
 
 FAILURES = ("compile", "out_of_resources", "wrong_result", "runtime")
+# Where a key's wall time goes (KeyResult.phases, seconds): the workload's build (a task's
+# ensure(), before the first trial), the batches' compiles (precompile), and per trial its
+# configure (the first run of a config: its compile where nothing precompiled it), its check
+# against the reference (and the restore after it) and its timing; the paired final timing.
+PHASES = ("build", "compile", "configure", "check", "time", "final")
 # The largest batch of trials asked at once of a task that precompiles (batches grow 1, 2, 4, ...
 # to it): one per compile worker (precompile.MAX_THREADS, at most 8), few enough that TPE still
 # learns from most trials before it proposes the next.
@@ -101,6 +108,10 @@ class KeyResult:
     # the study's starting point (the key's old entry, or the nearest bucket's) never ran: its
     # winner could be slower than what the lookup gave before, so it is not written
     start_not_reached: bool = False
+    # seconds by PHASES over this run's trials (a resumed study's earlier trials not included),
+    # and the key's whole wall time
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    wall_s: float = 0.0
 
     def entry(self) -> dict:
         """The cache entry (DESIGN.md "Cache file") for this key."""
@@ -147,6 +158,7 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
             study.enqueue_trial(dict(config))
     seen = {_config_key(t.params): t for t in study.trials if _ran(t) and t.params}
     allows = getattr(task, "allows", lambda _: True)
+    began, phases = time.monotonic(), dict.fromkeys(PHASES, 0.0)
 
     def suggest(trial) -> dict:
         return {t.name: trial.suggest_categorical(t.name, list(t.choices)) for t in family.tunables}
@@ -168,12 +180,15 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
             trial.set_user_attr("pruned", "illegal")
             raise optuna.TrialPruned("illegal config")
         try:
-            task.configure(config)
-            error = task.check()
-            if not error <= task.tol:  # NaN fails too
-                raise WrongResult(f"relative error {error:.3e} > {task.tol:.1e}")
-            task.restore()
-            p20, p50, p80 = timer(task)
+            with _phase(phases, "configure"):
+                task.configure(config)
+            with _phase(phases, "check"):
+                error = task.check()
+                if not error <= task.tol:  # NaN fails too
+                    raise WrongResult(f"relative error {error:.3e} > {task.tol:.1e}")
+                task.restore()
+            with _phase(phases, "time"):
+                p20, p50, p80 = timer(task)
         except Exception as exc:  # noqa: BLE001 - typed, recorded, never retried
             trial.set_user_attr("failure", classify(exc))
             trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
@@ -190,7 +205,16 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
 
     remaining = max(0, trials - sum(1 for t in study.trials if _ran(t)))
     if remaining:
+        ensure = getattr(task, "ensure", None)  # a model workload builds (and first steps) here
+        if ensure is not None:
+            with _phase(phases, "build"):
+                try:
+                    ensure()
+                except Exception:  # noqa: BLE001 - the first trial's configure meets it again and records it
+                    pass
         prepare = getattr(task, "precompile", None)
+        if prepare is not None:
+            prepare = _timed(prepare, phases, "compile")
 
         def fresh(trial) -> dict | None:
             """The config of an asked trial if it would compile: legal, allowed, not seen before."""
@@ -200,11 +224,38 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
         _optimize(study, objective, after, remaining, max(1.0, seconds),
                   PRECOMPILE_BATCH if prepare is not None else 1, prepare, fresh)  # fmt: skip
     result = _summarise(task, study)
+    result.phases = phases
     result.start_not_reached = start is not None and not any(
         _ran(t) and _config_key(t.params) == _config_key(start) for t in study.trials)  # fmt: skip
     if final_rounds and result.best is not None and result.default_p50 is not None:
-        _paired_timing(task, timer, result, final_rounds)
+        with _phase(phases, "final"):
+            _paired_timing(task, timer, result, final_rounds)
+    result.wall_s = time.monotonic() - began
     return result
+
+
+class _phase:
+    """``with _phase(phases, name):`` adds the block's wall seconds to ``phases[name]``, also
+    when it raises."""
+
+    def __init__(self, phases: dict, name: str) -> None:
+        self.phases, self.name = phases, name
+
+    def __enter__(self) -> None:
+        self.start = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        self.phases[self.name] += time.monotonic() - self.start
+
+
+def _timed(fn, phases: dict, name: str):
+    """``fn`` with its calls' wall seconds added to ``phases[name]``."""
+
+    def call(*args, **kwargs):
+        with _phase(phases, name):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _warm_config(family: KernelFamily, config: Mapping) -> dict | None:
@@ -372,6 +423,18 @@ def _bar(total: int):
     except ImportError:
         return None
     return tqdm(total=total, desc="tuning", unit="trial")
+
+
+def phase_report(results: Sequence[KeyResult]) -> str:
+    """Per key: its wall seconds in this run and the seconds of each of PHASES (what is left,
+    "other", is the sampler, the study's storage and the paired timing's configures)."""
+    head = f"{'key':<62} {'trials':>6} {'wall s':>7} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'other':>6}"
+    lines = [head]
+    for r in results:
+        other = r.wall_s - sum(r.phases.values())
+        lines.append(f"{key_name(r.task):<62} {r.trials:>6} {r.wall_s:>7.1f} "
+                     + " ".join(f"{r.phases[p]:>9.1f}" for p in PHASES) + f" {other:>6.1f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def key_name(task: TuningTask) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kernel_factory.generator import detect_arch
 from kernel_factory.generator.timing import copy_bandwidth_tbs, restoring_timer
-from kernel_factory.generator.tuner import key_name, report, tune
+from kernel_factory.generator.tuner import key_name, phase_report, report, tune
 
 from .adafactor.tune import adafactor_tasks
 from .adam_mini.tune import adam_mini_tasks
@@ -61,6 +61,8 @@ def main(argv=None) -> int:
                    minutes=args.minutes, output=args.output, resume=not args.fresh)  # fmt: skip
     print(f"copy bandwidth {bandwidth:.3f} TB/s")
     print(report(results))
+    print("\nwhere each key's seconds went")
+    print(phase_report(results))
     return 0
 
 

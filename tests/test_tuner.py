@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_factory.generator import ADAMW, interpreter_enabled
-from kernel_factory.generator.tuner import PRECOMPILE_BATCH, _warm_config, classify, report, tune
+from kernel_factory.generator.tuner import PHASES, PRECOMPILE_BATCH, _warm_config, classify, phase_report, report, tune
 from kernel_factory.optimizers.adamw.tune import AdamWTuningTask
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
@@ -302,6 +302,24 @@ def test_the_budget_stops_a_batch_too_and_leaves_its_rest_for_a_resume(tmp_path,
     assert all(t.state.is_finished() for t in _study(task, tmp_path).trials)
     (again,) = _tune(task, tmp_path, trials=30, minutes=60 / 60, timer=task.timer)
     assert again.trials > result.trials
+
+
+def test_a_keys_seconds_are_kept_by_phase_and_add_up_to_its_wall_time(tmp_path, clock):
+    # On the fake clock only compiles (1 s a config) and timed runs (0.25 s each) take time: the
+    # phases hold exactly those, and nothing else of the key's wall time is left unaccounted.
+    task = TimedPrecompiling(AdamWTuningTask(SHAPES, torch.float32, "cpu"), clock, 1.0, lambda n: 0.25)
+    (result,) = _tune(task, tmp_path, trials=12, timer=task.timer)
+    compiled = sum(len(b) for b in task.batches)
+    assert compiled > 1 and task.configured
+    assert result.phases["compile"] == pytest.approx(1.0 * compiled)
+    assert result.phases["time"] == pytest.approx(0.25 * len(task.configured))
+    assert all(result.phases[p] == 0.0 for p in ("build", "configure", "check", "final"))
+    assert result.wall_s == pytest.approx(clock.now) and clock.now > 0
+    table = phase_report([result]).splitlines()
+    assert table[0].split()[-len(PHASES) - 1 :] == [*PHASES, "other"]
+    row = table[1].split()
+    assert float(row[-1]) == pytest.approx(0.0, abs=0.05)  # "other"
+    assert float(row[-len(PHASES) - 1 + PHASES.index("compile")]) == pytest.approx(compiled, abs=0.05)
 
 
 def test_budget_stops_the_study(tmp_path):
