@@ -35,6 +35,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -221,7 +222,8 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
             config = suggest(trial)
             return config if _config_key(config) not in seen and compiles(config) else None
 
-        _optimize(study, objective, after, remaining, max(1.0, seconds),
+        # the build is part of the key's share of the run's time, as it was inside the first trial
+        _optimize(study, objective, after, remaining, max(1.0, seconds - phases["build"]),
                   PRECOMPILE_BATCH if prepare is not None else 1, prepare, fresh)  # fmt: skip
     result = _summarise(task, study)
     result.phases = phases
@@ -234,18 +236,15 @@ def tune_task(task: TuningTask, arch: str, timer: Timer, *, trials: int, seconds
     return result
 
 
-class _phase:
+@contextmanager
+def _phase(phases: dict, name: str):
     """``with _phase(phases, name):`` adds the block's wall seconds to ``phases[name]``, also
     when it raises."""
-
-    def __init__(self, phases: dict, name: str) -> None:
-        self.phases, self.name = phases, name
-
-    def __enter__(self) -> None:
-        self.start = time.monotonic()
-
-    def __exit__(self, *exc) -> None:
-        self.phases[self.name] += time.monotonic() - self.start
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        phases[name] += time.monotonic() - start
 
 
 def _timed(fn, phases: dict, name: str):
