@@ -16,7 +16,7 @@ import torch
 
 from kernel_factory.generator import MUON, size_bucket
 
-from ..parity import compare_tensors
+from ..parity import relative_error
 from ..shared.buckets import TRITON_DTYPES
 from ..shared.tuning import ModelWorkloadTask
 from ..shared.workloads import SHAPE_SETS, hidden_matrices, model_at
@@ -94,8 +94,8 @@ class MuonTuningTask(ModelWorkloadTask):
             TorchBatch([ref_p[i] for i in idx], [ref_bufs[i] for i in idx], b.m, b.n).run(self.hyper)
         self.opt.step()
         torch.cuda.synchronize()
-        errors = [compare_tensors("p", "check", p, q, self.tol).rel for p, q in zip(self.params, ref_p, strict=True)]
-        errors += [compare_tensors("p", "buf", b, q, self.tol).rel for b, q in zip(self.bufs, ref_bufs, strict=True)]
+        errors = [relative_error(p, q) for p, q in zip(self.params, ref_p, strict=True)]
+        errors += [relative_error(b, q) for b, q in zip(self.bufs, ref_bufs, strict=True)]
         self.restore()
         return max(e if math.isfinite(e) else math.inf for e in errors)
 

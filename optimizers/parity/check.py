@@ -12,6 +12,7 @@ has none, always fails.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -82,7 +83,7 @@ def compare_tensors(name: str, what: str, cand: Tensor, ref: Tensor, tol: float)
 
 def relative_error(cand: Tensor, ref: Tensor) -> float:
     """||cand - ref|| / ||ref|| (||cand - ref|| where ref is 0) on the tensors' device, summed in
-    fp64; inf where cand is not finite. The difference is taken in fp32, exact for the close
+    fp64; inf where cand or the result is not finite. The difference is taken in fp32, exact for the close
     values a check compares (Sterbenz). ``compare_tensors`` copies both to the host in fp64: for a
     tuner trial on a billion parameters that copy took most of the trial."""
     c, r = cand.detach().float().reshape(ref.shape), ref.detach().float()
@@ -90,7 +91,8 @@ def relative_error(cand: Tensor, ref: Tensor) -> float:
         return float("inf")
     err = float(torch.linalg.vector_norm(c - r, dtype=torch.float64))
     norm = float(torch.linalg.vector_norm(r, dtype=torch.float64))
-    return err / norm if norm > 0 else err
+    rel = err / norm if norm > 0 else err
+    return rel if math.isfinite(rel) else math.inf  # a NaN in ref: never a pass, nor a NaN for max()
 
 
 def _state_tensors(state: dict) -> dict[str, Tensor]:
