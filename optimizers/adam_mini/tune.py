@@ -119,7 +119,7 @@ class AdamMiniTuningTask(ModelWorkloadTask):
                 ours, theirs = (int((s["exp_avg_scale"] < 0).sum()) for s in (opt.state[p], state))
                 errors.append(abs(ours - theirs) / state["exp_avg_scale"].numel())
         self.restore()
-        return max(e if math.isfinite(e) else math.inf for e in errors)
+        return max(errors)  # relative_error gives inf, never NaN, for a non-finite result
 
 
 def _momentum(opt: AdamMini, p: torch.Tensor, state: dict) -> torch.Tensor:

@@ -83,8 +83,8 @@ def compare_tensors(name: str, what: str, cand: Tensor, ref: Tensor, tol: float)
 
 def relative_error(cand: Tensor, ref: Tensor) -> float:
     """||cand - ref|| / ||ref|| (||cand - ref|| where ref is 0) on the tensors' device, summed in
-    fp64; inf where cand or the result is not finite. The difference is taken in fp32, exact for the close
-    values a check compares (Sterbenz). ``compare_tensors`` copies both to the host in fp64: for a
+    fp64; inf where cand or the result is not finite. The difference is taken in fp32, exact for
+    the close values a check compares (Sterbenz). ``compare_tensors`` copies both to the host in fp64: for a
     tuner trial on a billion parameters that copy took most of the trial."""
     c, r = cand.detach().float().reshape(ref.shape), ref.detach().float()
     if not bool(torch.isfinite(c).all()):
