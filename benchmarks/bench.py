@@ -36,6 +36,7 @@ from benchmarks.registry import OURS, OptimizerSpec, Shape, select, state_bytes
 from benchmarks.reporting import nox_command
 from kernel_factory.generator.timing import capture_graph, copy_bandwidth_tbs, matmul_tflops, time_ms
 from kernel_factory.optimizers import AdamW
+from kernel_factory.optimizers.shared import precompile
 from kernel_factory.optimizers.shared.workloads import MODELS, SHAPE_SETS, hidden_matrices
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,6 +90,7 @@ def measure(spec, shapes_name, dtype, rep_ms) -> dict:
     for _ in range(WARM_STEPS):
         opt.step()
     torch.cuda.synchronize()
+    precompile.settle()  # variants the first steps did not wait for (GradScaler's) compile first
     state = state_bytes(opt) / numel
     eager = time_ms(opt.step, rep_ms=rep_ms)[1]
     graph = time_graph(opt.step) if spec.capturable else None

@@ -382,3 +382,13 @@ def test_warm_config_queues_another_config_and_leaves_the_plan_on_its_own(monkey
     assert vars(plan).keys() == own.keys() and all(vars(plan)[k] is v for k, v in own.items())
     assert precompile.warm_config(plan, {"X": 0}, plan.launches) == [] and len(queued) == 1
     assert all(vars(plan)[k] is v for k, v in own.items())
+
+
+def test_settle_returns_once_every_task_has_run_the_later_ones_included():
+    gate, ran = threading.Event(), []
+    precompile._submit(lambda: (gate.wait(30), ran.append("now")))
+    precompile._submit(lambda: (time.sleep(0.05), ran.append("later")), later=True)
+    assert not precompile.settle(timeout=0.2)  # the gate holds the first task
+    gate.set()
+    assert precompile.settle(timeout=60)
+    assert ran == ["now", "later"] and precompile._workers == 0

@@ -437,6 +437,25 @@ def warm_config(plan, config, launches: Callable[[], list[tuple]]) -> list[Warm]
     return warm_launches(pending, plan.device)
 
 
+def settle(timeout: float = 600.0) -> bool:
+    """Block until no background compile is queued or running, the ``later`` ones included (up to
+    ``timeout`` s; False if some still ran then). For a benchmark before it times: a compile holds
+    the GIL for part of its time (and the workers shorten the switch interval), so launches timed
+    beside one wait on the host. Seen on an H200: TurboAdam's 134M step timed while its GradScaler
+    variants compiled, 1.39 ms replayed from a graph against 0.77 once they had finished."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _lock:
+            alive = [t for t in _threads if t.is_alive()]
+        if not alive:
+            return True
+        for thread in alive:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            with _lock:
+                return not any(t.is_alive() for t in _threads)
+
+
 def wait_all(warms: list[Warm]) -> None:
     """``wait()`` for each of ``warms`` (and empty the list: they are waited for once)."""
     while warms:
