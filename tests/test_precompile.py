@@ -392,3 +392,17 @@ def test_settle_returns_once_every_task_has_run_the_later_ones_included():
     gate.set()
     assert precompile.settle(timeout=60)
     assert ran == ["now", "later"] and precompile._workers == 0
+
+
+def test_a_model_workload_is_built_once_its_background_compiles_have_ended():
+    from kernel_factory.optimizers.shared.tuning import ModelWorkloadTask
+
+    ran = []
+
+    class Task(ModelWorkloadTask):
+        def allocate(self):
+            self.opt = object()
+            precompile._submit(lambda: (time.sleep(0.1), ran.append("later")), later=True)
+
+    Task().ensure()
+    assert ran == ["later"]  # a trial timed after ensure() runs beside no compile

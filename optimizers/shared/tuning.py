@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
+from kernel_factory.optimizers.shared import precompile
+
 
 class InPlaceTask:
     """Mixin: call ``snapshot(tensors)`` once the workload exists; ``restore()`` copies the
@@ -45,6 +47,9 @@ class ModelWorkloadTask(InPlaceTask):
             except BaseException:  # a half-built workload is not one: the next use starts again
                 self.release()
                 raise
+            # the optimizer's own background compiles (its GradScaler variants, queued when its plan
+            # was built) end before a trial is timed: one beside a timed step delays its launches
+            precompile.settle()
 
     def expect_variant(self, family, variant: dict) -> None:
         """RuntimeError unless ``variant`` (the built optimizer's) has the key announced."""
