@@ -106,6 +106,19 @@ def prior_configs(path: Path, device: str | None = None) -> dict[tuple, dict]:
         return {}
 
 
+def trials_on_device(paths, arch: str, device: str | None) -> dict[tuple, int]:
+    """Trials of the usable entries (current template) tuned on ``device`` in the cache files
+    ``paths``, by (family, variant, dtype, bucket); the larger count where two files hold a key.
+    What ``tune --fewer-trials-than`` reads to find the studies worth running on."""
+    trials: dict[tuple, int] = {}
+    for path in paths:
+        for e in _read(Path(path), arch, warn=False):
+            if e.get("device") == device:
+                key = _entry_key(e)[:4]
+                trials[key] = max(trials.get(key, 0), int(e.get("trials") or 0))
+    return trials
+
+
 @cache
 def load_entries(arch: str) -> tuple[dict, ...]:
     """All usable entries for ``arch``: overlay entries replace packaged ones with the same key."""

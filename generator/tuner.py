@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .cache import current_device, merge_entries, prior_configs, size_bucket
+from .cache import current_device, merge_entries, prior_configs, size_bucket, trials_on_device
 from .family import KernelFamily
 from .render import user_cache_dir
 
@@ -125,12 +125,13 @@ class KeyResult:
         }  # fmt: skip
 
 
-def _cache_key(task: TuningTask) -> tuple:
+def cache_key(task: TuningTask) -> tuple:
+    """(family, variant, dtype, bucket): the cache key a task's study tunes."""
     return (task.family.name, task.variant, task.dtype, size_bucket(task.numel))
 
 
 def _study_name(task: TuningTask, arch: str) -> str:
-    return arch + "/" + "/".join(str(k) for k in _cache_key(task))
+    return arch + "/" + "/".join(str(k) for k in cache_key(task))
 
 
 def _config_key(config: Mapping[str, int]) -> tuple:
@@ -391,7 +392,7 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
     for i, task in enumerate(tasks):
         seconds = (deadline - time.monotonic()) / (len(tasks) - i)
         result = tune_task(task, arch, timer, trials=trials, seconds=seconds, storage=storage,
-                           progress=bar.update if bar else None, warm_start=_starting_point(prior, _cache_key(task)),
+                           progress=bar.update if bar else None, warm_start=_starting_point(prior, cache_key(task)),
                            final_rounds=final_rounds)  # fmt: skip
         results.append(result)
         if result.best is not None and not result.start_not_reached:
@@ -402,6 +403,14 @@ def tune(tasks: Sequence[TuningTask], arch: str, timer: Timer, *, local_arch: st
     if bar is not None:
         bar.close()
     return results
+
+
+def studied_less(tasks: Sequence[TuningTask], files: Sequence[Path], arch: str, device: str | None,
+                 n: int) -> list[TuningTask]:  # fmt: skip
+    """The tasks whose key has no entry tuned on ``device`` in ``files``, or one from a study of
+    fewer than ``n`` trials: the studies a run should go on with first."""
+    studied = trials_on_device(files, arch, device)
+    return [t for t in tasks if studied.get(cache_key(t), 0) < n]
 
 
 def _starting_point(prior: Mapping[tuple, dict], key: tuple) -> dict | None:
@@ -438,7 +447,7 @@ def phase_report(results: Sequence[KeyResult]) -> str:
 
 def key_name(task: TuningTask) -> str:
     """The cache key a task tunes, as the report prints it: family, variant, dtype, bucket."""
-    return " ".join(str(k) for k in _cache_key(task))
+    return " ".join(str(k) for k in cache_key(task))
 
 
 def report(results: Sequence[KeyResult]) -> str:

@@ -1,7 +1,7 @@
 """Tune the optimizer kernels on this machine's GPU and record the winners in the cache.
 
     python -m kernel_factory.optimizers.tune --arch sm90 [--families adamw] [--match TEXT ...] [--trials N]
-        [--minutes M] [--resume | --fresh] [--output PATH]
+        [--minutes M] [--fewer-trials-than N] [--resume | --fresh] [--output PATH]
 
 The generic tuner (kernel_factory.generator.tuner) drives Optuna; each family's ``tune.py`` supplies
 its workloads (tasks checked against the family's reference, then timed), listed in
@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from kernel_factory.generator import detect_arch
+from kernel_factory.generator.cache import current_device, overlay_cache_path, packaged_cache_path
 from kernel_factory.generator.timing import copy_bandwidth_tbs, restoring_timer
-from kernel_factory.generator.tuner import key_name, phase_report, report, tune
+from kernel_factory.generator.tuner import key_name, phase_report, report, studied_less, tune
 
 from .adafactor.tune import adafactor_tasks
 from .adam_mini.tune import adam_mini_tasks
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
                     "e.g. side=2048 (names as the report prints them: family, variant, dtype, bucket); repeat it "
                     "for keys that hold any of several")
     ap.add_argument("--trials", type=int, default=40, help="trials per key")
+    ap.add_argument("--fewer-trials-than", type=int, default=None, metavar="N",
+                    help="tune only the keys whose entry for this GPU (in --output and the packaged cache) "
+                         "came from a study of fewer than N trials, or that have none")
     ap.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget for all keys")
     ap.add_argument("--fresh", action="store_true", help="discard saved studies instead of resuming them")
     ap.add_argument("--resume", action="store_true", help="resume saved studies (the default)")
@@ -55,8 +59,12 @@ def main(argv=None) -> int:
     tasks = [t for f in args.families.split(",") for t in FAMILY_TASKS[f](args.dtypes.split(","), "cuda", bandwidth)]
     if args.match:
         tasks = [t for t in tasks if any(text in key_name(t) for text in args.match)]
+    if args.fewer_trials_than is not None:
+        files = [packaged_cache_path(args.arch), args.output or overlay_cache_path(args.arch)]
+        tasks = studied_less(tasks, files, args.arch, current_device(), args.fewer_trials_than)
     if not tasks:
-        ap.error(f"no key of {args.families} matches any of {args.match}")
+        ap.error(f"no key of {args.families} matches any of {args.match}"
+                 + (f" with fewer than {args.fewer_trials_than} trials" if args.fewer_trials_than is not None else ""))
     results = tune(tasks, args.arch, restoring_timer(), local_arch=local, trials=args.trials,
                    minutes=args.minutes, output=args.output, resume=not args.fresh)  # fmt: skip
     print(f"copy bandwidth {bandwidth:.3f} TB/s")

@@ -11,7 +11,17 @@ import pytest
 import torch
 
 from kernel_factory.generator import ADAMW, interpreter_enabled
-from kernel_factory.generator.tuner import PHASES, PRECOMPILE_BATCH, _warm_config, classify, phase_report, report, tune
+from kernel_factory.generator.cache import merge_entries
+from kernel_factory.generator.tuner import (
+    PHASES,
+    PRECOMPILE_BATCH,
+    _warm_config,
+    classify,
+    phase_report,
+    report,
+    studied_less,
+    tune,
+)
 from kernel_factory.optimizers.adamw.tune import AdamWTuningTask
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
@@ -430,3 +440,23 @@ def test_a_workload_whose_build_fails_is_left_unbuilt(monkeypatch):
     with pytest.raises(RuntimeError, match="fused path"):
         task.ensure()
     assert task.opt is None and not task.params  # the next use builds it again
+
+
+def test_fewer_trials_than_keeps_the_keys_this_gpu_studied_less_or_not_at_all(tmp_path):
+    """``tune --fewer-trials-than N``: a key whose entry for this GPU came from fewer than N trials,
+    or that has only another GPU's entry, or none, is tuned; one studied N times or more is not."""
+    tasks = {n: AdamWTuningTask([(n,)], torch.float32, "cpu") for n in (300, 5000, 70000, 900000)}
+    config = dict(ADAMW.default_config)
+
+    def entry(task, trials, device):
+        return {"family": "adamw", "variant": task.variant, "dtype": task.dtype, "bucket": task.numel,
+                "config": config, "trials": trials, "device": device}  # fmt: skip
+
+    path = tmp_path / "cpu.json"
+    merge_entries(path, "cpu", [entry(tasks[300], 2, "GPU A"), entry(tasks[5000], 12, "GPU A"),
+                                entry(tasks[70000], 30, "GPU B")])  # fmt: skip
+    other = tmp_path / "other.json"  # a second file (the packaged cache) can hold the longer study
+    merge_entries(other, "cpu", [entry(tasks[300], 8, "GPU A")])
+    keep = studied_less(list(tasks.values()), [path], "cpu", "GPU A", 6)
+    assert keep == [tasks[300], tasks[70000], tasks[900000]]
+    assert studied_less(list(tasks.values()), [other, path], "cpu", "GPU A", 6) == [tasks[70000], tasks[900000]]
