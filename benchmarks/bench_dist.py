@@ -49,6 +49,7 @@ from benchmarks.convergence.model import ModelConfig, TinyLlama  # noqa: E402
 from kernel_factory.optimizers import Adafactor, AdamMini, AdamW, DistributedAdamW, Muon, TurboAdam  # noqa: E402
 from kernel_factory.optimizers.muon.distributed import ShardedMuonBatch, ShardedMuonGroupPlan  # noqa: E402
 from kernel_factory.optimizers.muon.optimizer import uses_muon  # noqa: E402
+from kernel_factory.optimizers.shared import precompile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_dist"
 OURS = ("ours", "adam_mini", "muon", "turbo_adam", "adafactor")  # "ours": our AdamW
@@ -254,6 +255,7 @@ def measure_step(config: str, args, opt: torch.optim.Optimizer, device: torch.de
     for _ in range(args.warmup):
         opt.step()
     torch.cuda.synchronize()
+    precompile.settle()  # compiles the warm-up steps did not wait for end before the timed ones
     torch.cuda.reset_peak_memory_stats(device)
     steps = []
     for _ in range(args.iters):
@@ -289,6 +291,7 @@ def measure(config: str, args, model_config: ModelConfig, device: torch.device, 
     for _ in range(args.warmup):
         iteration()
     torch.cuda.synchronize()
+    precompile.settle()
     torch.cuda.reset_peak_memory_stats(device)
     iters, steps = [], []
     for _ in range(args.iters):
