@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -106,7 +106,7 @@ def prior_configs(path: Path, device: str | None = None) -> dict[tuple, dict]:
         return {}
 
 
-def trials_on_device(paths, arch: str, device: str | None) -> dict[tuple, int]:
+def trials_on_device(paths: Iterable[Path], arch: str, device: str | None) -> dict[tuple, int]:
     """Trials of the usable entries (current template) tuned on ``device`` in the cache files
     ``paths``, by (family, variant, dtype, bucket); the larger count where two files hold a key.
     What ``tune --fewer-trials-than`` reads to find the studies worth running on."""
