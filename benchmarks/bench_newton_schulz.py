@@ -6,7 +6,9 @@
   for short side s and long side L (X Xᵀ and A A symmetric, B X whole; 20 n³ for n x n).
   ``--ns-sizes`` takes ``n`` (square), ``mxn``, and ``@model``: the distinct hidden-matrix shapes
   of a model of ``workloads.MODELS`` with both sides >= 2048. Ours and torch's are timed in turn,
-  5 rounds, the median of each (``timing.alternate_medians``).
+  5 rounds, the median of each (``timing.alternate_medians``). Beside them, the rate torch's bf16
+  matmul reaches on the Gram's own shape (s x L times L x s, a whole product) as a share of the
+  8192^3 rate the floor uses: how much of the floor's rate one product of that size gets at all.
 - A Muon step over the 84 hidden matrices of the 134M Llama-style list (fp32 params and grads):
   ours against torch.optim.Muon with the same hyperparameters, and the host time to issue it.
 
@@ -58,9 +60,20 @@ def ns_floor_flops(m: int, n: int) -> int:
     return 5 * (3 * short * short * long + short**3)
 
 
+def gram_rate_share(m: int, n: int, tflops: float) -> float:
+    """torch's bf16 matmul rate on an m x n matrix's Gram (short side s, long side L: s x L times
+    L x s, 2 s^2 L FLOPs) as a share of ``tflops``, the 8192^3 rate."""
+    short, long = min(m, n), max(m, n)
+    a = torch.randn(short, long, device="cuda", dtype=torch.bfloat16)
+    b = a.t()
+    ms = time_ms(lambda: a @ b, rep_ms=100)[1]
+    return 2 * short * short * long / (ms * 1e-3) / 1e12 / tflops
+
+
 def ns_rows(shapes: list[tuple[int, int]], tflops: float) -> list[str]:
     rows = []
     for m, n in shapes:
+        share = gram_rate_share(m, n, tflops)
         g = torch.randn(m, n, device="cuda")
         # alternately, 5 rounds: one timing each of 2048 x 8192 and 8192 x 2048 (the same kernels)
         # differed by up to 1.5x between runs
@@ -69,7 +82,7 @@ def ns_rows(shapes: list[tuple[int, int]], tflops: float) -> list[str]:
         ours, peer = ms["ours"], ms["peer"]
         floor = ns_floor_flops(m, n) / (tflops * 1e12) * 1e3
         rows.append(f"| NS5 {m}x{n} bf16 | {ours:.3f} | {peer:.3f} | {floor:.3f} | {100 * floor / ours:.1f} | "
-                    f"{peer / ours:.2f}x |")  # fmt: skip
+                    f"{peer / ours:.2f}x | {100 * share:.1f} |")  # fmt: skip
     return rows
 
 
@@ -104,7 +117,7 @@ def muon_rows() -> list[str]:
         times[name] = time_ms(opt.step)[1]
         hosts[name] = host_ms(opt.step)
     return [f"| Muon step, {len(shapes)} hidden matrices of llama134m (fp32) | {times['ours']:.3f} | "
-            f"{times['torch']:.3f} | n/a | n/a | {times['torch'] / times['ours']:.2f}x |", "",
+            f"{times['torch']:.3f} | n/a | n/a | {times['torch'] / times['ours']:.2f}x | n/a |", "",
             f"Host time to issue one Muon step (no GPU sync between steps): ours {hosts['ours']:.3f} ms, "
             f"torch.optim.Muon {hosts['torch']:.3f} ms."]  # fmt: skip
 
@@ -117,7 +130,8 @@ def run(sizes: list[tuple[int, int]], out: Path, command: str) -> None:
     tflops = matmul_tflops()
     lines = [f"Newton-Schulz on {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul "
              f"{tflops:.0f} TFLOP/s (8192^3) measured in the same run. Command: `{command}`", "",
-             "| workload | ours ms | torch ms | floor ms | % of floor | ours faster |", "|---|---|---|---|---|---|",
+             "| workload | ours ms | torch ms | floor ms | % of floor | ours faster | torch Gram rate, % of 8192^3 |",
+             "|---|---|---|---|---|---|---|",
              *ns_rows(sizes, tflops), *muon_rows()]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_newton_schulz.md").write_text("\n".join(lines) + "\n")
