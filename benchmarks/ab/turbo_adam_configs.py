@@ -6,8 +6,9 @@ params, with our AdamW's step on the same tensors beside it: CUDA-graph replays,
 
 A candidate is the family default with the given keys changed (illegal ones are skipped). Run it
 once per source tree under test (installed in turn), in one call, and compare rows of one GPU
-only. Floor: the bytes of one pass (p read and written, g read, the state read and written) over
-the copy bandwidth measured in the same process. Prints one Markdown row per config.
+only. Floor: the tuner task's, the bytes the step moves (p read and written, g read twice where
+the statistics launch reads it, the state read and written) over the copy bandwidth measured in
+the same process. Prints one Markdown row per config.
 """
 
 import json
@@ -30,10 +31,8 @@ def main() -> None:
     print(f"{label}: {torch.cuda.get_device_name()}, copy {bw:.3f} TB/s")
     for dtype in (torch.float32, torch.bfloat16):
         task = TurboAdamTuningTask(dtype, "default", "cuda", bw)
-        numel = sum(p.numel() for p in task.params)
-        state = sum(t.numel() * t.element_size() for s in task.opt.state.values() for k, t in s.items()
-                    if k != "step")  # fmt: skip
-        floor = (numel * 3 * dtype.itemsize + 2 * state) / (bw * 1e12) * 1e3
+        task.ensure()  # params, optimizer and launch (the tuner builds them at a task's first use)
+        floor = task.floor_ms
         configs = [("selected", dict(task.launch.config))]
         for change in overrides:
             config = {**TURBO_ADAM.default_config, **change}
