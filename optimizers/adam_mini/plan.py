@@ -34,6 +34,7 @@ VECTOR = 16
 # EXACT_PER_THREAD elements of each stream in a thread. Block items (a head: many rows, two passes)
 # come first in their launch, so that they do not finish last.
 EXACT_PER_THREAD = 32
+BEGIN_BLOCK = 128  # tensors per program of the begin kernel
 
 
 def exact_row_shape(part: ParamPartition, sub_block: int, rows: int, num_warps: int) -> tuple[int, tuple] | None:
@@ -191,7 +192,9 @@ class AdamMiniTritonPlan:
         self.begin_kernel[(-(-len(self.params) // block),)](*args, BLOCK=block)
 
     def _begin_block(self) -> int:
-        return min(1024, 1 << (len(self.params) - 1).bit_length())
+        # One BLOCK for every group (more tensors take more programs): one variant of the begin
+        # kernel to compile per process, where a BLOCK sized to each group made one per group size.
+        return BEGIN_BLOCK
 
     def _begin_args(self, lr: float, betas: tuple[float, float]) -> tuple:
         return (self.steps, self.coefs, self.used, self.tel_count, self.tel_amax, len(self.params), lr,
