@@ -43,8 +43,9 @@ def tests(session: nox.Session) -> None:
     In a virtualenv (pytest-xdist from the dev extra) two workers share the tests: the
     interpreter's tests are single-threaded Python, so a 2-core CI machine runs the tier in about
     12 minutes instead of 17. Two, not one per core: a distributed test forks up to 4 ranks.
-    ``nox -s tests -- -n 0`` runs them in one process."""
-    _install(session)
+    ``nox -s tests -- -n 0`` runs them in one process. The bench extra too: the convergence
+    harness's test writes its plots (matplotlib)."""
+    _install(session, "bench")
     workers = [] if session.venv_backend == "none" else ["-n", "2"]
     session.run("python", "-m", "pytest", "-m", "not gpu", *workers, *session.posargs,
                 env={"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
