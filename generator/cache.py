@@ -57,28 +57,43 @@ def _entry_key(e: dict) -> tuple:
     return e["family"], e["variant"], e["dtype"], int(e["bucket"]), e.get("device")
 
 
-def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
-    """Entries of one cache file whose template hash is current, each with its ``device`` (the
-    file's GPU where the entry names none); [] if absent or unreadable (each with one warning
-    unless ``warn`` is false)."""
+def _read_raw(path: Path, warn: bool = True) -> tuple[list[dict], dict[str, str]]:
+    """A cache file's entries, each with its ``device`` (the file's GPU where the entry names
+    none), and its template hashes, whatever template each family was tuned on; ([], {}) if
+    absent or unreadable (one warning unless ``warn`` is false)."""
     if not path.exists():
-        return []
+        return [], {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("schema") != SCHEMA_VERSION:
             raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA_VERSION}")
-        entries, hashes = data["entries"], data["template_hashes"]
+        entries, hashes = data["entries"], dict(data["template_hashes"])
         file_gpu = (data.get("environment") or {}).get("gpu")
+        return [{"device": file_gpu, **entry} for entry in entries], hashes
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         if warn:
             _warn_once(("corrupt", str(path)), f"kernel_factory: ignoring tuning cache {path}: {exc}")
-        return []
+        return [], {}
+
+
+def _current_hash(family: str) -> str | None:
+    """The template hash of ``family`` in this tree, None for a family it does not have."""
+    try:
+        return template_hash(get_family(family))
+    except KeyError:
+        return None
+
+
+def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
+    """Entries of one cache file whose template hash is current, each with its ``device`` (the
+    file's GPU where the entry names none); [] if absent or unreadable (each with one warning
+    unless ``warn`` is false)."""
+    entries, hashes = _read_raw(path, warn)
     fresh = []
     for entry in entries:
         family = entry.get("family")
-        try:
-            current = template_hash(get_family(family))
-        except KeyError:
+        current = _current_hash(family)
+        if current is None:
             continue
         if hashes.get(family) != current:
             if not warn:
@@ -89,7 +104,7 @@ def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
                 f"template; its entries are ignored (re-tune with `nox -s tune -- --arch {arch}`)",
             )
             continue
-        fresh.append({"device": file_gpu, **entry})
+        fresh.append(entry)
     return fresh
 
 
@@ -236,18 +251,33 @@ def environment() -> dict:
 
 def merge_entries(path: Path, arch: str, entries: list[dict]) -> None:
     """Add or replace ``entries`` (keyed by family, variant, dtype, bucket and GPU: this one's
-    where an entry names none) in the cache file at ``path``, keeping its other current entries,
-    other GPUs' included (stale or unreadable ones, and those keyed by a variant the family's axes
-    no longer have, are dropped, as a lookup would ignore them), and refresh its header."""
+    where an entry names none) in the cache file at ``path``, keeping its other entries, other
+    GPUs' included, and refresh its header. Of the families written, stale entries (another
+    template) and those keyed by a variant the family's axes no longer have are dropped, as a
+    lookup would ignore them; every other family's entries stay as they are, with the template
+    hash they were tuned on (a tree whose template of that family differs, such as one being
+    edited, must not drop what was tuned on the file's)."""
     env = environment()
-    current = [e for e in _read(Path(path), arch, warn=False) if e["variant"] in get_family(e["family"]).tuning_keys()]
-    kept = {_entry_key(e): e for e in current}  # the tuner replaces this GPU's, keeps the others'
+    raw, hashes = _read_raw(Path(path), warn=False)
+    written = {e["family"] for e in entries}
+    kept: dict[tuple, dict] = {}
+    for e in raw:
+        family, current = e.get("family"), _current_hash(e.get("family"))
+        if current is None or family not in hashes:
+            continue
+        if hashes[family] == current:
+            if e["variant"] not in get_family(family).tuning_keys():
+                continue
+        elif family in written:  # stale: replaced by this tuning run's template
+            continue
+        kept[_entry_key(e)] = e
     kept.update({_entry_key(e): e for e in ({"device": env["gpu"], **e} for e in entries)})
+    families = sorted({e["family"] for e in kept.values()})
     data = {
         "schema": SCHEMA_VERSION,
         "arch": arch,
         "environment": env,  # the last tuning run's; each entry names its GPU
-        "template_hashes": {f: template_hash(get_family(f)) for f in sorted({e["family"] for e in kept.values()})},
+        "template_hashes": {f: _current_hash(f) if f in written else hashes[f] for f in families},
         "entries": sorted(kept.values(), key=lambda e: (*_entry_key(e)[:4], str(e["device"]))),
     }
     write_cache_file(path, data)

@@ -148,6 +148,26 @@ def test_merge_keeps_current_entries_replaces_same_key_and_drops_stale(tmp_path)
     assert [e["bucket"] for e in json.loads(path.read_text())["entries"]] == [1 << 20, 1 << 24]
 
 
+def test_merge_keeps_other_families_entries_tuned_on_another_template(tmp_path):
+    """Tuning one family from a tree whose template of another family differs (one being edited)
+    keeps that family's entries and the hash they were tuned on: they still match the file's
+    template, and a lookup in such a tree ignores them anyway."""
+    path = tmp_path / "smtest.json"
+    other = dict(_entry(1 << 20, 256), family="adam_mini", variant="multi_tensor=True,momentum=float32")
+    _write(path, [_entry(1 << 22, 512), other], hashes={"adamw": template_hash(ADAMW), "adam_mini": "1" * 64})
+    cache.merge_entries(path, "smtest", [_entry(1 << 20, 1024)])
+    data = json.loads(path.read_text())
+    assert data["template_hashes"] == {"adamw": template_hash(ADAMW), "adam_mini": "1" * 64}
+    assert sorted((e["family"], e["bucket"]) for e in data["entries"]) == [
+        ("adam_mini", 1 << 20), ("adamw", 1 << 20), ("adamw", 1 << 22)]  # fmt: skip
+    # tuning that family itself replaces its stale entries and records the tree's hash
+    cache.merge_entries(path, "smtest", [dict(_entry(1 << 24, 256), family="adam_mini", variant=other["variant"],
+                                              config=dict(get_family("adam_mini").default_config))])  # fmt: skip
+    data = json.loads(path.read_text())
+    assert data["template_hashes"]["adam_mini"] == template_hash(get_family("adam_mini"))
+    assert [e["bucket"] for e in data["entries"] if e["family"] == "adam_mini"] == [1 << 24]
+
+
 def _on(device, entry):
     return dict(entry, device=device)
 
