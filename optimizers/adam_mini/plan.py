@@ -34,7 +34,9 @@ VECTOR = 16
 # EXACT_PER_THREAD elements of each stream in a thread. Block items (a head: many rows, two passes)
 # come first in their launch, so that they do not finish last.
 EXACT_PER_THREAD = 32
-BEGIN_BLOCK = 128  # tensors per program of the begin kernel
+# Tensors per program of the begin kernel, the same for every group (more tensors take more
+# programs): one variant to compile per process, where a BLOCK sized to each group made one per size.
+BEGIN_BLOCK = 128
 
 
 def exact_row_shape(part: ParamPartition, sub_block: int, rows: int, num_warps: int) -> tuple[int, tuple] | None:
@@ -122,7 +124,7 @@ class AdamMiniTritonPlan:
             self._grads = GradTable(self.device, len(params))
             self._tables = [self._table(key) for key in ("p", "m", "scale", "pool", "used", "v")]
             if precompile.enabled(self.device):  # placeholders: a dtype for no tensor, zeros for the floats
-                begin = (self.begin_kernel, (1,), self._begin_args(0.0, (0.0, 0.0)), dict(BLOCK=self._begin_block()))
+                begin = (self.begin_kernel, (1,), self._begin_args(0.0, (0.0, 0.0)), dict(BLOCK=BEGIN_BLOCK))
                 self._warm = precompile.warm_launches([begin, *self._placeholder_updates()], self.device)
 
     def _placeholder_updates(self) -> list[tuple]:
@@ -187,14 +189,8 @@ class AdamMiniTritonPlan:
     def begin(self, group: dict) -> None:
         """The begin kernel: step counts, bias corrections, per-step counters (template header)."""
         precompile.wait_all(self._warm)
-        block = self._begin_block()
         args = self._begin_args(float(group["lr"]), tuple(float(b) for b in group["betas"]))
-        self.begin_kernel[(-(-len(self.params) // block),)](*args, BLOCK=block)
-
-    def _begin_block(self) -> int:
-        # One BLOCK for every group (more tensors take more programs): one variant of the begin
-        # kernel to compile per process, where a BLOCK sized to each group made one per group size.
-        return BEGIN_BLOCK
+        self.begin_kernel[(-(-len(self.params) // BEGIN_BLOCK),)](*args, BLOCK=BEGIN_BLOCK)
 
     def _begin_args(self, lr: float, betas: tuple[float, float]) -> tuple:
         return (self.steps, self.coefs, self.used, self.tel_count, self.tel_amax, len(self.params), lr,
