@@ -283,6 +283,42 @@ def test_the_timeline_holds_each_background_compile_with_its_variant(monkeypatch
     assert all(before <= start and end - start >= 0.05 for _, start, end in runs)
 
 
+def test_a_variant_s_launcher_builds_beside_its_compile_and_before_its_load(monkeypatch):
+    """The launcher (launcher_prebuild: Triton 3.6's C module per signature) is queued ahead of the
+    compile and runs beside it; the compiled kernel's load waits for a build that has started."""
+    events = []
+
+    class Compiled:
+        def _init_handles(self):
+            events.append(("load", time.perf_counter()))
+
+    class Kernel:
+        __name__ = "fake_kernel"
+
+        def warmup(self, *args, grid, **kwargs):
+            events.append(("compile", time.perf_counter()))
+            time.sleep(0.05)
+            return Compiled()
+
+    def build(kernel, args, kwargs, device):
+        events.append(("launcher", time.perf_counter()))
+        time.sleep(0.2)  # longer than the compile: the load must wait for it
+        events.append(("launcher built", time.perf_counter()))
+        return True
+
+    monkeypatch.setattr(precompile, "enabled", lambda device: True)
+    monkeypatch.setattr(precompile.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(precompile.launcher_prebuild, "build", build)
+    monkeypatch.setattr(precompile, "_timeline", [])
+    precompile.warm(Kernel(), (1,), (), {"BLOCK": 32}, torch.device("cuda")).wait()
+    at = dict(events)
+    assert [name for name, _ in sorted(events, key=lambda e: e[1])] == ["launcher", "compile", "launcher built",
+                                                                        "load"]  # fmt: skip
+    assert at["compile"] - at["launcher"] < 0.1  # side by side, not one after the other
+    labels = [label for label, _, _ in precompile.timeline()]
+    assert labels == ["launcher of fake_kernel {'BLOCK': 32}", "fake_kernel {'BLOCK': 32}"]
+
+
 def test_a_stand_in_variant_reads_ready_once_compiled_and_is_never_waited_for(monkeypatch):
     """``warm_optional``: Muon's two-part kernels compile after the rest; until one has, ``ready``
     says its launch must not be issued (the step takes the one-part launches), and afterwards the

@@ -5,6 +5,7 @@ optimizer built with precompiling off."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,3 +84,48 @@ def test_a_process_that_exits_right_after_its_first_step_exits_cleanly(name, tmp
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
                          check=False)  # fmt: skip
     assert out.returncode == 0 and "stepped" in out.stdout, out.stderr[-3000:]
+
+
+LAUNCHER_SCRIPT = """
+import hashlib, json, pathlib
+import torch
+import triton.runtime.build as build
+from kernel_factory.optimizers import TurboAdam
+from kernel_factory.optimizers.shared import precompile
+from kernel_factory.optimizers.shared.workloads import ShapeModel, llama_param_shapes
+gcc = build._build
+built = []  # (module name, hash of its C source) of each build with the host's compiler
+def recording(name, src, *rest):
+    built.append((name, hashlib.sha256(pathlib.Path(src).read_bytes()).hexdigest()))
+    return gcc(name, src, *rest)
+build._build = recording
+shapes = llama_param_shapes(layers=2, ffn=384, vocab=512, dim=128, n_heads=4, n_kv_heads=2)
+model = ShapeModel(shapes, torch.float32, 'cuda')
+opt = TurboAdam(model.parameters(), lr=1e-3)
+for p in model.parameters():
+    p.grad = torch.ones_like(p)
+opt.step()
+precompile.settle()
+print(json.dumps({"built": built, "timeline": precompile.timeline()}))
+"""
+
+
+def test_launchers_build_beside_their_compiles_and_once(tmp_path):
+    # Triton 3.6 builds a C launcher per kernel signature after the compile (launcher_prebuild):
+    # it is built from the signature as soon as the variant is queued, and found by the load
+    from triton.backends.nvidia import driver as nvidia
+
+    if not hasattr(nvidia, "make_launcher"):
+        pytest.skip("this Triton builds no C launchers")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "KERNEL_FACTORY_CACHE_DIR": str(tmp_path / "kf")}
+    out = subprocess.run([sys.executable, "-c", LAUNCHER_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    launchers = [digest for name, digest in report["built"] if name == "__triton_launcher"]
+    assert launchers and len(launchers) == len(set(launchers)), report["built"]  # none built twice
+    ends = {label: end for label, _, end in report["timeline"]}
+    ahead = [(label, start) for label, start, _ in report["timeline"] if label.startswith("launcher of ")]
+    assert len(ahead) == len(launchers)  # every build was one ahead of its launch
+    for label, start in ahead:
+        assert start < ends[label.removeprefix("launcher of ")], (label, report["timeline"])

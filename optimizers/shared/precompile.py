@@ -9,10 +9,11 @@ helpers (0.4 s, then cached on disk). Measured there (``benchmarks/cold_start.py
 ``docs/cold_start.md``): one kernel 0.1-4.3 s to compile, and 8 compiled in 8 threads took a third
 of the serial time (the subprocesses and the C++ passes overlap).
 
-``warm(kernel, grid, args, kwargs, device)`` queues ``kernel.warmup`` (compile and load, no launch)
-and the launcher's build on up to MAX_THREADS daemon threads and returns a ``Warm`` handle; the
-launch site calls ``handle.wait()`` before its first launch of that kernel, so the work is never
-done twice; a variant already queued in the process (by another plan) is not queued again, its
+``warm(kernel, grid, args, kwargs, device)`` queues the variant's C launcher build
+(``launcher_prebuild``: Triton 3.6 builds one per signature when a compiled kernel is loaded) and
+``kernel.warmup`` (compile and load, no launch), side by side on up to MAX_THREADS daemon threads,
+and returns a ``Warm`` handle; the launch site calls ``handle.wait()`` before its first launch of
+that kernel, so the work is never done twice; a variant already queued in the process (by another plan) is not queued again, its
 handle shares the first one's compile. A failed warmup is dropped: the launch then compiles in
 the caller and raises there, as it would have without this. Off under the interpreter, on CPU
 tensors, without Triton, and with ``KERNEL_FACTORY_PRECOMPILE=0``.
@@ -56,7 +57,7 @@ import torch
 from kernel_factory.generator import backend_mode, interpreter_enabled
 
 # (buckets: its triton_available is the one the kernels' paths consult)
-from . import buckets, launcher_loading
+from . import buckets, launcher_loading, launcher_prebuild
 from .dtensor import local
 
 MAX_THREADS = min(8, os.cpu_count() or 1)
@@ -332,12 +333,23 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, l
         return Warm(queued[1], later)
     label = f"{getattr(kernel, '__name__', type(kernel).__name__)} {dict(sorted(kwargs.items()))}"
 
+    def build_launcher() -> None:
+        start = time.perf_counter()
+        if launcher_prebuild.build(kernel, args, kwargs, device):
+            _timeline.append((f"launcher of {label}", start, time.perf_counter()))
+
+    # The launcher first, so that it builds beside the compile (launcher_prebuild's docstring)
+    launcher = _submit(build_launcher, later)
+
     def compile_variant() -> None:
         start = time.perf_counter()
         try:
             with torch.cuda.device(device):  # a new thread starts on device 0
+                launcher_prebuild.binder_caches(kernel)  # (created once: the launcher's build reads them too)
                 compiled = kernel.warmup(*args, grid=grid, **kwargs)
-                init = getattr(compiled, "_init_handles", None)  # load the module, build its launcher
+                if not launcher.cancel():  # its build started: the load waits for it (not started: the load builds it)
+                    launcher.exception()  # (waits; its errors are its own: the load builds it then)
+                init = getattr(compiled, "_init_handles", None)  # load the module (and its launcher)
                 if init is not None:
                     init()
         finally:
