@@ -13,13 +13,14 @@ of the serial time (the subprocesses and the C++ passes overlap).
 (``launcher_prebuild``: Triton 3.6 builds one per signature when a compiled kernel is loaded) and
 ``kernel.warmup`` (compile and load, no launch), side by side on up to MAX_THREADS daemon threads,
 and returns a ``Warm`` handle; the launch site calls ``handle.wait()`` before its first launch of
-that kernel, so the work is never done twice; a variant already queued in the process (by another plan) is not queued again, its
-handle shares the first one's compile. A failed warmup is dropped: the launch then compiles in
-the caller and raises there, as it would have without this. Off under the interpreter, on CPU
-tensors, without Triton, and with ``KERNEL_FACTORY_PRECOMPILE=0``.
+that kernel, so the work is never done twice; a variant already queued in the process (by another
+plan) is not queued again, its handle shares the first one's compile. A failed warmup is
+dropped: the launch then compiles in the caller and raises there, as it would have without this.
+Off under the interpreter, on CPU tensors, without Triton, and with ``KERNEL_FACTORY_PRECOMPILE=0``.
 
-``timeline()`` lists the compiles run so far, each with its variant and when it started and ended
-(``benchmarks/cold_start.py`` reports the longest of a first step's).
+``timeline()`` lists the compiles run so far, each with its variant and when it started and ended,
+and the launchers built ahead ("launcher of" the variant; ``benchmarks/cold_start.py`` reports
+the longest of a first step's).
 
 ``later=True`` queues a variant a step may never launch (those taking GradScaler's tensors): it
 starts once every other queued compile has finished, so it does not take the host's cores and
@@ -347,8 +348,10 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, l
             with torch.cuda.device(device):  # a new thread starts on device 0
                 launcher_prebuild.binder_caches(kernel)  # (created once: the launcher's build reads them too)
                 compiled = kernel.warmup(*args, grid=grid, **kwargs)
-                if not launcher.cancel():  # its build started: the load waits for it (not started: the load builds it)
-                    launcher.exception()  # (waits; its errors are its own: the load builds it then)
+                # A launcher build under way is waited for (the load would build it again); one
+                # not started is dropped and the load builds it. (exception(): waits, raises nothing)
+                if not launcher.cancel():
+                    launcher.exception()
                 init = getattr(compiled, "_init_handles", None)  # load the module (and its launcher)
                 if init is not None:
                     init()
@@ -362,9 +365,10 @@ def warm(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device, l
 
 def timeline() -> list[tuple[str, float, float]]:
     """(variant, start, end) of each background compile this process has run (ended ones; a failed
-    one too), in the order they ended; ``time.perf_counter()`` seconds. The variant: the kernel's
-    name and the launch's keyword arguments (constexprs and launch options). What a first step
-    waited for, for ``benchmarks/cold_start.py``."""
+    one too) and of each launcher built ahead (labelled "launcher of <variant>"), in the order they
+    ended; ``time.perf_counter()`` seconds. The variant: the kernel's name and the launch's keyword
+    arguments (constexprs and launch options). What a first step waited for, for
+    ``benchmarks/cold_start.py``."""
     return list(_timeline)
 
 
