@@ -17,8 +17,10 @@ time; for the optimizers that can be captured: ours, and torch's built with capt
 size. Muon's steps are bound by NS's matrix products: their floor is the symmetric products'
 FLOPs of five NS iterations over the list's hidden matrices at the bf16 matmul rate measured in
 the same run (``bench_newton_schulz.ns_floor_flops``; the elementwise work and the AdamW part
-left out). "% of floor" and "ours faster" use graph times where there are, else eager. Writes
-benchmarks/results/bench.{csv,md}; then benchmarks/bench_newton_schulz.py (NS5 and Muon).
+left out; a note under the table gives the share of that floor a step could reach with those
+bytes moved at the copy rate after NS: ``ns_ceiling_notes``). "% of floor" and "ours faster" use
+graph times where there are, else eager. Writes benchmarks/results/bench.{csv,md}; then
+benchmarks/bench_newton_schulz.py (NS5 and Muon).
 ``--cold-start`` adds each optimizer's first step in a new process with empty kernel caches
 (benchmarks/cold_start.py), on the first shape set and dtype.
 """
@@ -142,6 +144,22 @@ def bench(specs, shape_sets, dtypes, rep_ms) -> tuple[float, float | None, list[
     return bw, tflops, rows
 
 
+def ns_ceiling_notes(rows: list[dict], ns_floored: set[str], bw: float) -> list[str]:
+    """For each row of an NS-floored optimizer (Muon): the share of its NS floor a step could reach
+    with its elementwise bytes (``bytes_per_param`` x ``numel``: momentum, NS input, apply, the
+    AdamW part) moved at the copy rate ``bw`` (TB/s) after NS, as its kernels run them: 100 x
+    NS floor / (NS floor + bytes / bw). Bytes and products overlapping would raise it."""
+    notes = []
+    for r in rows:
+        if r["optimizer"] in ns_floored:
+            bytes_ms = r["numel"] * r["bytes_per_param"] / (bw * 1e12) * 1e3
+            notes.append(f"{r['optimizer']}, {r['shapes']} {r['dtype']}: NS floor {r['floor_ms']:.3f} ms + "
+                         f"{r['bytes_per_param']:.1f} B/param at the copy rate {bytes_ms:.3f} ms: at most "
+                         f"{100 * r['floor_ms'] / (r['floor_ms'] + bytes_ms):.1f}% of the NS floor with the "
+                         f"elementwise work after NS ({r['pct_of_floor']:.1f}% measured)")  # fmt: skip
+    return notes
+
+
 def add_cold_start(rows: list[dict], specs, shapes_name: str, dname: str) -> None:
     """Each registered optimizer's first step in a new process with empty kernel caches
     (``cold_start.measure``, seconds), on its row of ``shapes_name`` x ``dname``."""
@@ -209,6 +227,7 @@ def main(argv=None) -> int:
         bw, tflops, rows = bench(specs, args.shapes.split(","), args.dtypes.split(","), args.rep_ms)
         if args.cold_start:
             add_cold_start(rows, specs, args.shapes.split(",")[0], args.dtypes.split(",")[0])
+        notes += ns_ceiling_notes(rows, {s.name for s in specs if s.ns_floor}, bw)
         write(bw, rows, notes, args.out, nox_command("bench", argv), tflops)
     if ns_shapes:
         bench_newton_schulz.run(ns_shapes, args.out, nox_command("bench", argv))

@@ -113,3 +113,12 @@ def test_a_muon_steps_floor_is_ns_over_the_hidden_matrices():
     from benchmarks.registry import REGISTRY
 
     assert {n for n, s in REGISTRY.items() if s.ns_floor} == {"torch_muon", "kernel_factory_muon"}
+
+
+def test_a_muon_row_s_note_gives_the_share_of_its_ns_floor_its_bytes_leave():
+    # 100 x floor / (floor + bytes / copy rate): 1 ms of NS and 1e9 B at 4 TB/s (0.25 ms) -> 80%
+    row = dict(shapes="llama134m", dtype="bf16", optimizer="kernel_factory_muon", numel=10**8, bytes_per_param=10.0,
+               floor_ms=1.0, pct_of_floor=60.0)  # fmt: skip
+    adamw = dict(row, optimizer="kernel_factory_adamw")
+    (note,) = bench.ns_ceiling_notes([row, adamw], {"kernel_factory_muon"}, 4.0)
+    assert "0.250 ms" in note and "at most 80.0% of the NS floor" in note and "(60.0% measured)" in note
