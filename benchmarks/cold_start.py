@@ -14,7 +14,8 @@ folders, one on new empty ones. Times are wall-clock seconds on the host, from t
 construction are reported apart). The steady step is the median of five steps after the first two
 (Muon's second may capture its Newton–Schulz CUDA graph again, once the two-part kernels compiling
 in the background are ready: ``kernel_factory/optimizers/muon/plan.py``). ``first_step_compiles.md``
-lists the longest background compiles of each process on empty caches and when they ran. Python's
+lists the longest background compiles of each process on empty caches and when they ran (and the
+C launchers built beside them, "launcher of" a variant, where Triton builds them). Python's
 bytecode is cached for all of them, as in an installed environment (``PYTHONPYCACHEPREFIX``, filled
 by one unreported process per optimizer).
 """
