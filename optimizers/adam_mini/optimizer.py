@@ -158,10 +158,12 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
         self._group_parts: list[list[ParamPartition]] = []  # the same, one list per param group
         self._new_caches()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._planning = True  # the constructor's groups plan in add_param_group, before torch's
         super().__init__(_named_groups(precompile.begin(named_parameters)), defaults)  # add_param_group each
-        # plans built now, kernels compiling in the background (FSDP2's params plan at the step)
-        precompile.plan_ahead(self, lambda index, group, params: self._group_plan(
-            index, [p for p in params if not isinstance(p, DTensor)]))  # fmt: skip
+        self._planning = False
+        # plans built now, kernels compiling in the background (FSDP2's params plan at the step);
+        # those built in add_param_group are found cached
+        precompile.plan_ahead(self, self._plan_ahead)
         unmatched = self.partition.unmatched()
         if unmatched:
             warn_once(f"AdamMini: no name rule matched {unmatched}; each is one block (extend name_rules "
@@ -178,18 +180,30 @@ class AdamMini(KeepsSettings, torch.optim.Optimizer):
         (group,) = _named_groups([param_group])
         pairs = group.pop("params")
         parts = [partition_param(name, p, self.model_shape, self.name_rules, self.qkv_split) for name, p in pairs]
+        for (_, p), part in zip(pairs, parts, strict=True):
+            self._parts[id(p)] = part
         for wanted, extra in ((True, {}), (False, {"weight_decay": 0.0})):
             chosen = [(pair, part) for pair, part in zip(pairs, parts, strict=True) if part.weight_decay == wanted]
             if chosen:
-                super().add_param_group(dict(group, params=[pair for pair, _ in chosen], **extra))
+                sub_group = dict(group, params=[pair for pair, _ in chosen], **extra)
+                if getattr(self, "_planning", False):  # the constructor's: its kernels compile while torch's
+                    # first add_param_group imports torch._dynamo (precompile.plan_group); a group torch
+                    # then refuses fails the constructor, plan and all
+                    precompile.plan_group(self, self._plan_ahead, len(self.param_groups), sub_group,
+                                          [p for _, p in sub_group["params"]])  # fmt: skip
+                super().add_param_group(sub_group)
                 self._group_parts.append([part for _, part in chosen])
                 g = self.param_groups[-1]
                 check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self.partition.params.extend(parts)
         for (_, p), part in zip(pairs, parts, strict=True):
-            self._parts[id(p)] = part
             if p.requires_grad and not p.is_meta:  # state up front: DCP fakes a step on an optimizer without any
                 self._init_state(p, part)
+
+    def _plan_ahead(self, index: int, group: dict, params: list[Tensor]) -> None:
+        """Group ``index``'s plans for ``params`` (precompile.plan_ahead; FSDP2's sharded params plan
+        at the step)."""
+        self._group_plan(index, [p for p in params if not isinstance(p, DTensor)])
 
     def _new_caches(self) -> None:
         """Each param's blocks by the param, and what the step builds and keeps: plans, telemetry,

@@ -118,17 +118,27 @@ def plan_ahead(optimizer, build: Callable[[int, dict, list], object]) -> None:
     grads, as its first step would build it (and then reuses: the same key), so that its kernels
     compile while the first forward and backward run. ``build(index, group, params)`` caches the
     plan in ``optimizer._plans``; one that cannot be built now is dropped and left to the step,
-    which builds it again and reports the error there."""
+    which builds it again and reports the error there. A plan already built (``plan_group``, from
+    a constructor's ``add_param_group``) is found in that cache."""
+    for index, group in enumerate(optimizer.param_groups):
+        plan_group(optimizer, build, index, group, group["params"])
+
+
+def plan_group(optimizer, build: Callable[[int, dict, list], object], index: int, group: dict, params: list) -> None:
+    """``plan_ahead``'s work for one group: ``build(index, group, params')`` for the ``params`` that
+    require grads, where they take kernels compiled ahead. Called by a constructor's
+    ``add_param_group`` before torch.optim's (``group`` then the group as given, torch's defaults
+    not yet filled in), so that the first group's kernels compile while torch.optim's first
+    ``add_param_group`` imports ``torch._dynamo`` (about 1.5 s; ``docs/cold_start.md``)."""
     if getattr(optimizer, "backend", None) == "torch":
         return
-    for index, group in enumerate(optimizer.param_groups):
-        params = [p for p in group["params"] if p.requires_grad and not p.is_meta]
-        if not worth_planning([local(p) for p in params]):
-            continue
-        try:
-            build(index, group, params)
-        except Exception:  # noqa: BLE001 - the step raises it where the user expects it
-            optimizer._plans.pop(index, None)
+    params = [p for p in params if p.requires_grad and not p.is_meta]
+    if not worth_planning([local(p) for p in params]):
+        return
+    try:
+        build(index, group, params)
+    except Exception:  # noqa: BLE001 - the step raises it where the user expects it
+        optimizer._plans.pop(index, None)
 
 
 def start_hash() -> None:
