@@ -78,3 +78,28 @@ def test_whole_row_launches_take_head_blocks_too():
         assert compare_tensors(name, "param", p, q, FP32_TOL).passed, name
         for key in ("exp_avg", "exp_avg_sq"):
             assert compare_tensors(name, key, ours.state[p][key], ref.state[q][key], FP32_TOL).passed, (name, key)
+
+
+def test_plans_built_before_torch_adds_their_groups_step_as_the_step_s_own(monkeypatch):
+    # precompile.plan_group from add_param_group (the kernels compile while torch.optim's first
+    # add_param_group imports torch._dynamo): the plans built then are the ones the steps take,
+    # and they step bitwise as plans the first step builds
+    from kernel_factory.optimizers.shared import precompile
+
+    a = gqa_model(head_dim=16)
+    b = copy.deepcopy(a)
+    kw = dict(lr=1e-2, weight_decay=0.1, momentum_dtype="fp32", head_dim=16, **GEOMETRY)
+    late = AdamMini(b.named(), **kw)
+    assert not late._plans  # (no background compiles here: plans wait for the step)
+    monkeypatch.setattr(precompile, "worth_planning", lambda params: True)
+    early = AdamMini(a.named(), **kw)
+    built = {index: [pl for pl in plans] for index, (_, plans, _) in early._plans.items()}
+    assert built and all(isinstance(pl, AdamMiniTritonPlan) for plans in built.values() for pl in plans)
+    for _ in range(2):
+        fresh_grads(a, b)
+        early.step()
+        late.step()
+    assert {index: plans for index, (_, plans, _) in early._plans.items()} == built  # the same objects
+    for p, q in zip(a.params, b.params, strict=True):
+        assert torch.equal(p, q)
+        assert all(torch.equal(early.state[p][k], late.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
