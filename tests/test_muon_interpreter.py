@@ -103,3 +103,25 @@ def test_a_checkpointed_view_buffer_is_made_contiguous(triton_backend):
     _run(opt_q, [q], 2, seed=5)
     assert opt_q.state[q]["momentum_buffer"].is_contiguous()
     assert torch.equal(p, q)
+
+
+def test_plans_built_before_torch_adds_their_groups_step_as_the_step_s_own(triton_backend, monkeypatch):
+    # precompile.plan_group from add_param_group (the kernels compile while torch.optim's first
+    # add_param_group imports torch._dynamo): the plans built then, with their groups' state, are
+    # the ones the steps take, and they step bitwise as plans the first step builds
+    from kernel_factory.optimizers.shared import precompile
+
+    bias = torch.randn(8) * 0.1  # AdamW's
+    early_p, late_p = ([p.requires_grad_() for p in _params() + [bias.clone()]] for _ in range(2))
+    late = Muon(late_p, lr=0.02, weight_decay=0.1)
+    assert not late._plans  # (no background compiles here: plans wait for the step)
+    monkeypatch.setattr(precompile, "worth_planning", lambda params: True)
+    early = Muon(early_p, lr=0.02, weight_decay=0.1)
+    built = dict(early._plans)
+    assert set(built) == {0, 1} and built[0].batches and all(isinstance(b, TritonBatch) for b in built[0].batches)
+    _run(early, early_p, 3)
+    _run(late, late_p, 3)
+    assert all(early._plans[i] is built[i] for i in built)  # the same objects
+    for p, q in zip(early_p, late_p, strict=True):
+        assert torch.equal(p, q)
+        assert all(torch.equal(early.state[p][k], late.state[q][k]) for k in early.state[p])

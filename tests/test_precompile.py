@@ -199,38 +199,39 @@ def test_plans_ahead_skip_frozen_params_and_drop_a_plan_that_fails(monkeypatch):
     assert not built
 
 
-def test_adam_mini_plans_each_group_before_torch_adds_it_and_once(monkeypatch):
-    # torch.optim's first add_param_group imports torch._dynamo (about 1.5 s): the constructor's
-    # groups plan (and queue their compiles) before it, and plan_ahead then finds them cached
-    from kernel_factory.optimizers import AdamMini
+@pytest.mark.parametrize("name", ["adam_mini", "muon"])
+def test_a_constructor_plans_each_group_before_torch_adds_it_and_once(name, monkeypatch):
+    # torch.optim's first add_param_group imports torch._dynamo (about 1.5 s): AdamMini's and
+    # Muon's constructors plan each group (and queue its compiles) before torch adds it, and
+    # plan_ahead then finds the plans cached
+    from kernel_factory.optimizers import AdamMini, Muon
 
     monkeypatch.setattr(precompile, "worth_planning", lambda params: True)
     events = []
-    add = torch.optim.Optimizer.add_param_group
-    build = AdamMini._build_group_plan
+    add, plan_group = torch.optim.Optimizer.add_param_group, precompile.plan_group
 
     def torch_add(self, group):
         events.append(("torch add", len(self.param_groups)))
         return add(self, group)
 
-    def planning(self, params):
-        events.append(("plan", len(self.param_groups), len(params)))
-        return build(self, params)
+    def planning(optimizer, build, index, group, params):
+        plan_group(optimizer, build, index, group, params)
+        events.append(("planned", index, index in optimizer._plans))
 
     monkeypatch.setattr(torch.optim.Optimizer, "add_param_group", torch_add)
-    monkeypatch.setattr(AdamMini, "_build_group_plan", planning)
+    monkeypatch.setattr(precompile, "plan_group", planning)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
-    frozen = model[1].bias.requires_grad_(False)
-    opt = AdamMini(model.named_parameters(), lr=1e-3, weight_decay=0.1, dim=16, n_heads=2)
-    # two groups: the weights (decayed), the biases (not; the frozen one plans nothing)
-    assert events == [("plan", 0, 2), ("torch add", 0), ("plan", 1, 1), ("torch add", 1)]
+    if name == "adam_mini":  # two groups: the weights (decayed), the biases (not)
+        opt = AdamMini(model.named_parameters(), lr=1e-3, weight_decay=0.1, dim=16, n_heads=2)
+    else:  # two groups: Muon's matrices, AdamW's biases
+        opt = Muon(model.named_parameters(), lr=1e-3)
+    assert events == [("planned", 0, True), ("torch add", 0), ("planned", 1, True), ("torch add", 1),
+                      ("planned", 0, True), ("planned", 1, True)]  # then plan_ahead's  # fmt: skip
+    plans = dict(opt._plans)
     for p in model.parameters():
-        p.grad = torch.ones_like(p) if p is not frozen else None
+        p.grad = torch.ones_like(p)
     opt.step()
-    assert len(events) == 4  # the step reused the plans
-    events.clear()
-    opt.add_param_group({"params": list(torch.nn.Linear(4, 4).named_parameters())})
-    assert events == [("torch add", 2), ("torch add", 3)]  # a later group plans at its step
+    assert opt._plans == plans and all(opt._plans[i] is plans[i] for i in plans)  # the constructor's plans
 
 
 def test_begin_lists_params_and_leaves_iterators_inside_groups_alone():

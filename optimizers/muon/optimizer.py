@@ -114,11 +114,13 @@ class Muon(KeepsSettings, torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True)  # fmt: skip
+        self._new_caches()  # (the constructor's groups plan in add_param_group)
         self._constructing = True  # torch's __init__ adds the groups split here one by one
         super().__init__(self._split_groups(precompile.begin(params)), defaults)
         self._constructing = False
-        self._new_caches()
-        precompile.plan_ahead(self, self._plan_ahead)  # plans built now, kernels compiling in the background
+        # plans built now, kernels compiling in the background; those built in add_param_group are
+        # found cached
+        precompile.plan_ahead(self, self._plan_ahead)
 
     def _plan_ahead(self, index: int, group: dict, params: list[Tensor]) -> None:
         """Group ``index``'s plan for ``params``, built as the first step would (FSDP2's matrices
@@ -178,9 +180,22 @@ class Muon(KeepsSettings, torch.optim.Optimizer):
         empty group as it is), then the new params' state (momentum buffers, or AdamW's moments)."""
         groups = [param_group] if self._constructing else self._split_groups([param_group]) or [param_group]
         for group in groups:
+            if self._constructing:
+                self._plan_before_torch(len(self.param_groups), group)
             super().add_param_group(group)
             added = self.param_groups[-1]
             (init_muon_group_state if added["use_muon"] else group_state_init("adamw"))(added, self.state)
+
+    def _plan_before_torch(self, index: int, group: dict) -> None:
+        """A constructor's group ``index`` planned before torch adds it (precompile.plan_group), so
+        that its kernels compile while torch.optim's first add_param_group imports torch._dynamo:
+        the group as torch will hold it (the defaults filled in, names apart) and its state made
+        now (made again after torch adds it: found there). A group torch then refuses fails the
+        constructor, plan and all."""
+        entries = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        planned = {**self.defaults, **group, "params": [e[1] if isinstance(e, tuple) else e for e in entries]}
+        (init_muon_group_state if planned["use_muon"] else group_state_init("adamw"))(planned, self.state)
+        precompile.plan_group(self, self._plan_ahead, index, planned, planned["params"])
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader (which also takes DCP's name-keyed state dicts, and casts the momentum to

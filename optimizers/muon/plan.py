@@ -350,9 +350,13 @@ class MuonGroupPlan:
                 joint.setdefault(batch.device, []).append(batch)
         self.joint = [JointNS(batches) for batches in joint.values()]
         self._warm: list[precompile.Warm] = []  # kernels compiling in the background
+        self._queued = False  # precompile() has run (once a plan: a constructor may call it twice)
 
     def precompile(self, group: dict) -> None:
-        """Queue the Triton variants ``run(group)`` will launch for their background compile."""
+        """Queue the Triton variants ``run(group)`` will launch for their background compile (once)."""
+        if self._queued:
+            return
+        self._queued = True
         h = MuonHyper(group)
         for ns in self.joint:
             device = ns.batches[0].device
