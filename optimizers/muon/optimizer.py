@@ -189,12 +189,11 @@ class Muon(KeepsSettings, torch.optim.Optimizer):
     def _plan_before_torch(self, index: int, group: dict) -> None:
         """A constructor's group ``index`` planned before torch adds it (precompile.plan_group), so
         that its kernels compile while torch.optim's first add_param_group imports torch._dynamo:
-        the group as torch will hold it (the defaults filled in, names apart) and its state made
-        now (made again after torch adds it: found there). A group torch then refuses fails the
-        constructor, plan and all."""
+        the group as torch will hold it (the defaults filled in, names apart; the plan makes the
+        params' state, found there once torch has added the group). A group torch then refuses
+        fails the constructor, plan and all."""
         entries = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
         planned = {**self.defaults, **group, "params": [e[1] if isinstance(e, tuple) else e for e in entries]}
-        (init_muon_group_state if planned["use_muon"] else group_state_init("adamw"))(planned, self.state)
         precompile.plan_group(self, self._plan_ahead, index, planned, planned["params"])
 
     def load_state_dict(self, state_dict: dict) -> None:
