@@ -199,12 +199,12 @@ def test_plans_ahead_skip_frozen_params_and_drop_a_plan_that_fails(monkeypatch):
     assert not built
 
 
-@pytest.mark.parametrize("name", ["adam_mini", "muon"])
+@pytest.mark.parametrize("name", ["adam_mini", "muon", "turbo_adam"])
 def test_a_constructor_plans_each_group_before_torch_adds_it_and_once(name, monkeypatch):
-    # torch.optim's first add_param_group imports torch._dynamo (about 1.5 s): AdamMini's and
-    # Muon's constructors plan each group (and queue its compiles) before torch adds it, and
-    # plan_ahead then finds the plans cached
-    from kernel_factory.optimizers import AdamMini, Muon
+    # torch.optim's first add_param_group imports torch._dynamo (about 1.5 s): AdamMini's, Muon's
+    # and TurboAdam's constructors plan each group (and queue its compiles) before torch adds it,
+    # and plan_ahead then finds the plans cached
+    from kernel_factory.optimizers import AdamMini, Muon, TurboAdam
 
     monkeypatch.setattr(precompile, "worth_planning", lambda params: True)
     events = []
@@ -221,12 +221,17 @@ def test_a_constructor_plans_each_group_before_torch_adds_it_and_once(name, monk
     monkeypatch.setattr(torch.optim.Optimizer, "add_param_group", torch_add)
     monkeypatch.setattr(precompile, "plan_group", planning)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    early = [("planned", 0, True), ("torch add", 0), ("planned", 1, True), ("torch add", 1)]
     if name == "adam_mini":  # two groups: the weights (decayed), the biases (not)
         opt = AdamMini(model.named_parameters(), lr=1e-3, weight_decay=0.1, dim=16, n_heads=2)
-    else:  # two groups: Muon's matrices, AdamW's biases
+    elif name == "muon":  # two groups: Muon's matrices, AdamW's biases
         opt = Muon(model.named_parameters(), lr=1e-3)
-    assert events == [("planned", 0, True), ("torch add", 0), ("planned", 1, True), ("torch add", 1),
-                      ("planned", 0, True), ("planned", 1, True)]  # then plan_ahead's  # fmt: skip
+    else:  # two groups as given, the second's params an iterator: left to torch, planned after
+        groups = [{"params": list(model[0].parameters())}, {"params": iter(model[1].parameters()), "lr": 1e-4}]
+        opt = TurboAdam(groups, lr=1e-3)
+        early = [("planned", 0, True), ("torch add", 0), ("torch add", 1)]
+        assert len(opt.param_groups[1]["params"]) == 2
+    assert events == early + [("planned", 0, True), ("planned", 1, True)]  # then plan_ahead's
     plans = dict(opt._plans)
     for p in model.parameters():
         p.grad = torch.ones_like(p)

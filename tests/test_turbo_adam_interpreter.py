@@ -178,3 +178,33 @@ def test_the_tuners_launch_list_is_the_plans(monkeypatch, mode):
     built = [(ln.variant["m_codec"], ln.variant["v_codec"], sum(p.numel() for p in ln.params[: ln.n_coded]))
              for ln in plan.launches]  # fmt: skip
     assert not plan.reference and built == launch_codecs(shapes, mode)
+
+
+def test_plans_built_before_torch_adds_their_groups_step_as_the_step_s_own(monkeypatch):
+    # precompile.plan_group from add_param_group (the kernels compile while torch.optim's first
+    # add_param_group imports torch._dynamo): the plans built then, with their params' state, are
+    # the ones the steps take, and they step bitwise as plans the first step builds
+    from kernel_factory.optimizers.shared import precompile
+
+    monkeypatch.setenv("KERNEL_FACTORY_BACKEND", "triton")
+    shapes = [(10, 300), (5000,), (7, 9)]
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    a, b = ([torch.nn.Parameter(t.clone()) for t in init] for _ in range(2))
+    kw = dict(lr=1e-2, weight_decay=0.1, rounding_seed=5)
+    late = TurboAdam([{"params": b[:2]}, {"params": b[2:], "lr": 3e-3}], **kw)
+    assert not late._plans  # (no background compiles here: plans wait for the step)
+    monkeypatch.setattr(precompile, "worth_planning", lambda params: True)
+    early = TurboAdam([{"params": a[:2]}, {"params": a[2:], "lr": 3e-3}], **kw)
+    built = dict(early._plans)
+    assert set(built) == {0, 1} and built[0].launches
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, q, g in zip(a, b, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        early.step()
+        late.step()
+    assert all(early._plans[i] is built[i] for i in built)  # the same objects
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p, q) and early.state[p].keys() == late.state[q].keys()
+        assert all(torch.equal(early.state[p][k], late.state[q][k]) for k in early.state[p])

@@ -141,9 +141,13 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
                 warn_once(f"TurboAdam: {name} configures turboadam's first-moment codec, which this one does not "
                           f"use; {name}={value!r} is ignored (block_size sets the scales' blocks)")  # fmt: skip
         self.seed = rounding_seed
+        self._new_caches()  # (the constructor's groups plan in add_param_group)
+        self._constructing = True
         super().__init__(precompile.begin(params), defaults)
-        self._new_caches()
-        precompile.plan_ahead(self, self._build_plan)  # plans built now, kernels compiling in the background
+        self._constructing = False
+        # plans built now, kernels compiling in the background; those built in add_param_group are
+        # found cached
+        precompile.plan_ahead(self, self._plan_ahead)
 
     def _new_caches(self) -> None:
         """What the step builds and keeps (KeepsSettings: after unpickling too)."""
@@ -153,6 +157,15 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
         self.telemetry = Telemetry(TELEMETRY)
 
     def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        if getattr(self, "_constructing", False) and isinstance(params, (Tensor, list, tuple)):
+            # Its kernels compile while torch's first add_param_group imports torch._dynamo
+            # (precompile.plan_group): the group as torch will hold it, the defaults filled in (the
+            # plan makes the params' state, found there once torch has added the group); a group
+            # torch then refuses fails the constructor, plan and all. (An iterator is left to torch.)
+            params = [params] if isinstance(params, Tensor) else [e[1] if isinstance(e, tuple) else e for e in params]
+            planned = {**self.defaults, **param_group, "params": params}
+            precompile.plan_group(self, self._plan_ahead, len(self.param_groups), planned, params)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -342,6 +355,12 @@ class TurboAdam(KeepsSettings, torch.optim.Optimizer):
     @staticmethod
     def _plan_key(group: dict, params: list[Tensor]) -> tuple:
         return (tuple(map(id, params)), *(group[k] for k in _STRUCTURAL))
+
+    def _plan_ahead(self, index: int, group: dict, params: list[Tensor]) -> None:
+        """Group ``index``'s plan for ``params`` unless it is built already (precompile.plan_ahead)."""
+        plan = self._plans.get(index)
+        if plan is None or plan.key != self._plan_key(group, params):
+            self._build_plan(index, group, params)
 
     def _build_plan(self, index: int, group: dict, params: list[Tensor]) -> TurboGroupPlan:
         """Param group ``index``'s plan for ``params`` (those with grads), their state created."""
