@@ -13,6 +13,7 @@ from .families import (
     MUON_OWNER,
     MUON_ROWS,
     NEWTON_SCHULZ,
+    NEWTON_SCHULZ_STREAM_K,
     TURBO_ADAM,
     get_family,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "MUON_OWNER",
     "MUON_ROWS",
     "NEWTON_SCHULZ",
+    "NEWTON_SCHULZ_STREAM_K",
     "TURBO_ADAM",
     "Config",
     "KernelFamily",

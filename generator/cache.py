@@ -84,6 +84,18 @@ def _current_hash(family: str) -> str | None:
         return None
 
 
+def _companion(entry: dict) -> str | None:
+    """The family whose template ``entry``'s config also runs (its family's ``impl_templates``)."""
+    config = entry.get("config")
+    impl = config.get("impl") if isinstance(config, dict) else None
+    return get_family(entry["family"]).impl_templates.get(impl)
+
+
+def _companions(families: Iterable[str]) -> set[str]:
+    """The companion families (``impl_templates``) of ``families``."""
+    return {c for f in families if _current_hash(f) is not None for c in get_family(f).impl_templates.values()}
+
+
 def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
     """Entries of one cache file whose template hash is current, each with its ``device`` (the
     file's GPU where the entry names none); [] if absent or unreadable (each with one warning
@@ -95,7 +107,8 @@ def _read(path: Path, arch: str, warn: bool = True) -> list[dict]:
         current = _current_hash(family)
         if current is None:
             continue
-        if hashes.get(family) != current:
+        companion = _companion(entry)
+        if hashes.get(family) != current or (companion and hashes.get(companion) != _current_hash(companion)):
             if not warn:
                 continue
             _warn_once(
@@ -265,14 +278,17 @@ def merge_entries(path: Path, arch: str, entries: list[dict]) -> None:
         family, current = e.get("family"), _current_hash(e.get("family"))
         if current is None or family not in hashes:
             continue
-        if hashes[family] == current:
+        companion = _companion(e)
+        if hashes[family] == current and not (companion and hashes.get(companion) != _current_hash(companion)):
             if e["variant"] not in get_family(family).tuning_keys():
                 continue
         elif family in written:  # stale: replaced by this tuning run's template
             continue
         kept[_entry_key(e)] = e
     kept.update({_entry_key(e): e for e in ({"device": env["gpu"], **e} for e in entries)})
-    families = sorted({e["family"] for e in kept.values()})
+    families = {e["family"] for e in kept.values()}
+    written |= _companions(written)
+    families = sorted(f for f in families | _companions(families) if f in written or f in hashes)
     data = {
         "schema": SCHEMA_VERSION,
         "arch": arch,

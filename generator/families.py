@@ -124,12 +124,14 @@ NEWTON_SCHULZ = KernelFamily(
     # 768 x 2048 (a sharded step's owner batches), 36 x 768 x 2048 (side 1024); 2048^2, 2048 x 8192
     # (side 2048); 4096^2; 8192^2 (optimizers/muon/newton_schulz_tune.py)
     tune_sizes=(1 << 33, 1 << 36, 1 << 37, 1 << 38, 1 << 39, 1 << 42),
-    # impl: the classic kernels, the hopper ones (TMA, persistent, pipelined across tiles; sm90 and up)
-    # or torch's matmuls (cuBLAS), whichever the tuner measured fastest for the size. Default:
+    # impl: the classic kernels, the hopper ones (TMA, persistent, pipelined across tiles; sm90 and up),
+    # for the symmetric products of one batch the hopper ones split stream-K (NEWTON_SCHULZ_STREAM_K;
+    # the update and joint launches take the hopper kernels with its tiles) or torch's matmuls
+    # (cuBLAS), whichever the tuner measured fastest for the size. Default:
     # classic with 128 x 256 tiles, the fastest of six configs tried at 4096^2 and 8192^2 on the
     # H200 before tuning.
     tunables=(
-        Tunable("impl", "classic", ("classic", "hopper", "torch")),
+        Tunable("impl", "classic", ("classic", "hopper", "torch", "stream_k")),
         Tunable("BLOCK", _NS_TILES["BLOCK"], (64, 128)),
         Tunable("BLOCK_N", _NS_TILES["BLOCK_N"], (64, 128, 256)),
         Tunable("BLOCK_K", _NS_TILES["BLOCK_K"], (32, 64, 128)),
@@ -142,12 +144,30 @@ NEWTON_SCHULZ = KernelFamily(
     # on the H200 at 4096^2 and 8192^2 (128 x 128 symmetric tiles, 128 x 256 update tiles, 4 stages),
     # the classic ones best at 48 x 768^2 (128 x 128 update tiles, 4 warps; and for c A Aᵀ + b A
     # with K = 768, 32-wide K steps in 5 stages), and the pipelined hopper symmetric kernel's best
-    # at 48 x 768^2 and 36 x 768 x 2048 (4 warps, 5 stages; BLOCK_N 128 keeps the update legal).
+    # at 48 x 768^2 and 36 x 768 x 2048 (4 warps, 5 stages; BLOCK_N 128 keeps the update legal),
+    # and the stream-K kernel with the same tiles (the fastest of five tried on one 2048 x 8192
+    # matrix's Gram product on the H200: 66 µs against the hopper kernel's 91).
     seed_configs=({"impl": "torch", **_NS_TILES}, {**_NS_TILES, "impl": "hopper", "num_stages": 4},
                   {**_NS_TILES, "impl": "classic", "BLOCK_N": 128, "num_warps": 4},
                   {**_NS_TILES, "impl": "classic", "BLOCK_K": 32, "num_stages": 5},
-                  {**_NS_TILES, "impl": "hopper", "BLOCK_N": 128, "num_stages": 5, "num_warps": 4}),
+                  {**_NS_TILES, "impl": "hopper", "BLOCK_N": 128, "num_stages": 5, "num_warps": 4},
+                  {**_NS_TILES, "impl": "stream_k", "BLOCK_N": 128, "num_stages": 5, "num_warps": 4}),
+    impl_templates={"stream_k": "newton_schulz_stream_k"},
 )
+
+# The stream-K symmetric product (newton_schulz_stream_k.py.j2, the NS config's impl "stream_k"):
+# a family of its own so that newton_schulz.py.j2's source, on which the tuned newton_schulz
+# entries (the H100's among them) are hashed, stays the one they were tuned on; its configs are
+# newton_schulz's (newton_schulz_launch.py), not tuned here.
+NEWTON_SCHULZ_STREAM_K = KernelFamily(
+    name="newton_schulz_stream_k",
+    template="newton_schulz_stream_k.py.j2",
+    description="Newton-Schulz symmetric product with the upper tiles' K loops split evenly over the SMs",
+    axes={"dtype": ("bfloat16", "float32")},
+    tunables=NEWTON_SCHULZ.tunables,
+    is_legal=_newton_schulz_is_legal,
+)
+
 
 def _muon_is_legal(c: Mapping[str, int]) -> bool:
     # A program holds a BLOCK_R x BLOCK_C tile of g and buf (or p and O) and, for a tall matrix,
@@ -290,7 +310,9 @@ ADAFACTOR = KernelFamily(
 )
 
 FAMILIES: dict[str, KernelFamily] = {
-    f.name: f for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, MUON, MUON_ROWS, MUON_OWNER, TURBO_ADAM, ADAFACTOR)
+    f.name: f
+    for f in (ADAMW, ADAM_MINI, NEWTON_SCHULZ, NEWTON_SCHULZ_STREAM_K, MUON, MUON_ROWS, MUON_OWNER, TURBO_ADAM,
+              ADAFACTOR)
 }
 
 

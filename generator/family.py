@@ -43,6 +43,7 @@ class KernelFamily:
     (elements per launch) the tuner measures; lookups in between take the nearest bucket.
     ``nearest_axes``: tuning axes of powers of two that a lookup matches by nearness, after the
     bucket (a tie-break between entries as near in work), rather than exactly.
+    ``impl_templates``: for configs whose ``impl`` runs another family's template, that family.
     """
 
     name: str
@@ -55,6 +56,10 @@ class KernelFamily:
     description: str = ""
     seed_configs: tuple[Config, ...] = ()  # legal configs every study tries (after the default)
     nearest_axes: tuple[str, ...] = ()
+    # impl value -> the family whose template the configs of that impl run (a family of its own so
+    # that this one's template hash stays put): the cache keeps that template's hash beside this
+    # one's, and an entry of that impl is stale when either changed.
+    impl_templates: Mapping[str, str] = field(default_factory=dict)
     _default: Config = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

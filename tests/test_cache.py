@@ -128,6 +128,9 @@ def test_packaged_sm90_cache_matches_every_template():
     data = json.loads(cache.packaged_cache_path("sm90").read_text())
     for family in {e["family"] for e in data["entries"]}:
         assert data["template_hashes"][family] == template_hash(get_family(family)), family
+    for companion in {get_family(e["family"]).impl_templates.get(e["config"].get("impl")) for e in data["entries"]}:
+        if companion is not None:  # the template an impl of some entries runs (newton_schulz's stream_k)
+            assert data["template_hashes"][companion] == template_hash(get_family(companion)), companion
 
 
 def test_merge_keeps_current_entries_replaces_same_key_and_drops_stale(tmp_path):
@@ -276,3 +279,36 @@ def test_every_model_finds_entries_tuned_on_its_gpu(gpu, monkeypatch, tmp_path):
                         cache.select(NEWTON_SCHULZ, "sm90", variant, "bfloat16", work, device=gpu)
     finally:
         cache.clear()
+
+
+def test_an_impl_on_another_template_goes_stale_with_that_template(arch_files, tmp_path):
+    """newton_schulz's stream_k configs run newton_schulz_stream_k.py.j2: the file keeps that
+    template's hash too, and only the entries of that impl go stale when it changes."""
+    ns = get_family("newton_schulz")
+    variant = ns.variant(dtype="bfloat16", product="gram", side=2048)
+    key = ns.tuning_key(variant)
+
+    def entry(bucket, impl):
+        return {"family": "newton_schulz", "variant": key, "dtype": "bfloat16", "bucket": bucket,
+                "config": dict(ns.default_config, impl=impl)}  # fmt: skip
+
+    path = tmp_path / "smtest.json"
+    cache.merge_entries(path, "smtest", [entry(1 << 36, "hopper"), entry(1 << 38, "stream_k")])
+    hashes = json.loads(path.read_text())["template_hashes"]
+    assert hashes == {"newton_schulz": template_hash(ns),
+                      "newton_schulz_stream_k": template_hash(get_family("newton_schulz_stream_k"))}  # fmt: skip
+    packaged, _ = arch_files
+    _write(packaged, [entry(1 << 36, "hopper"), entry(1 << 38, "stream_k")], hashes)
+    assert cache.select(ns, "smtest", variant, "bfloat16", 1 << 38)["impl"] == "stream_k"
+    cache.clear()
+    _write(packaged, [entry(1 << 36, "hopper"), entry(1 << 38, "stream_k")],
+           dict(hashes, newton_schulz_stream_k="0" * 64))  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="another version"):
+        assert cache.select(ns, "smtest", variant, "bfloat16", 1 << 38)["impl"] == "hopper"  # the nearest fresh one
+    # tuning the family again drops the stale entry and records the companion's current hash
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache.merge_entries(packaged, "smtest", [entry(1 << 40, "hopper")])
+    data = json.loads(packaged.read_text())
+    assert sorted(e["bucket"] for e in data["entries"]) == [1 << 36, 1 << 40]
+    assert data["template_hashes"] == hashes

@@ -20,15 +20,16 @@ NS_TOL = 2e-2  # bf16 intermediates, rounded in a different order than cuBLAS's 
 CLASSIC = dict(NEWTON_SCHULZ.default_config, impl="classic")
 HOPPER = dict(NEWTON_SCHULZ.seed_configs[1])
 HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+STREAM_K = dict(NEWTON_SCHULZ.seed_configs[-1])
 
 
 # Square, wide, tall (a transposed view, no copy), batched (also tall), ragged tile edges, one tile,
 # a batch whose m is not a multiple of BLOCK_K (the hopper config falls back to the classic kernels).
 @pytest.mark.parametrize("shape", [(1024, 1024), (512, 1536), (1536, 512), (6, 768, 768), (4, 2048, 768),
                                    (1000, 333), (3, 64, 64), (1, 1000, 1336), (2, 200, 328)])  # fmt: skip
-@pytest.mark.parametrize("config", [CLASSIC, HOPPER], ids=["classic", "hopper"])
+@pytest.mark.parametrize("config", [CLASSIC, HOPPER, STREAM_K], ids=["classic", "hopper", "stream_k"])
 def test_triton_kernels_match_torchs_bf16_ns5(shape, config):
-    if config["impl"] == "hopper" and not HOPPER_GPU:
+    if config["impl"] in ("hopper", "stream_k") and not HOPPER_GPU:
         pytest.skip("the hopper kernels need TMA (sm90 and up)")
     g = torch.randn(shape, device="cuda")
     x = g.bfloat16()
@@ -40,6 +41,34 @@ def test_triton_kernels_match_torchs_bf16_ns5(shape, config):
     assert compare_tensors("ns", "X", out, ref, NS_TOL).passed
     # and the public entry point (the tuned choice) against torch.optim.Muon's iteration
     assert compare_tensors("ns", "O", fast_newton_schulz(g), reference_newton_schulz(g), NS_TOL).passed
+
+
+# One matrix of a Llama-3.2-1B MLP, wide and tall (its Gram product: 136 tiles of 128 K steps
+# split over the SMs), and 2048^2 with norms (the scaled first iteration).
+@pytest.mark.parametrize("shape, scaled", [((1, 2048, 8192), False), ((1, 8192, 2048), False), ((1, 2048, 2048), True)])
+def test_stream_k_symmetric_products_match_torch_and_repeat_their_bits(shape, scaled):
+    from kernel_factory.optimizers.muon import newton_schulz_launch as ns
+
+    if not HOPPER_GPU:
+        pytest.skip("the stream-K kernel needs TMA (sm90 and up)")
+    a, b, c = coefficient_schedule(None, 1)[0]
+    x = torch.randn(shape, device="cuda").bfloat16()
+    x = x.mT if shape[1] > shape[2] else x
+    norm = torch.linalg.vector_norm(x.float(), dim=(-2, -1)) if scaled else None
+    m = x.shape[1]
+    gram, again, poly = (torch.empty(1, m, m, dtype=x.dtype, device="cuda") for _ in range(3))
+    ns.symmetric_product([x], [gram], None, 1.0, 0.0, STREAM_K, None if norm is None else [norm])
+    xn = x if norm is None else (x.float() / norm[:, None, None]).bfloat16()
+    want = torch.bmm(xn, xn.mT)
+    assert compare_tensors("ns", "gram", gram, want, NS_TOL).passed
+    ns.symmetric_product([gram], [poly], [gram], c, b, STREAM_K, gamma=a)
+    eye = torch.eye(m, device="cuda", dtype=x.dtype)
+    want = torch.baddbmm(gram, gram, gram, beta=b, alpha=c) + a * eye
+    assert compare_tensors("ns", "poly", poly, want, NS_TOL).passed
+    for _ in range(3):
+        ns.symmetric_product([x], [again], None, 1.0, 0.0, STREAM_K, None if norm is None else [norm])
+        assert torch.equal(again, gram)  # the partial sums add in one order
+    assert all(int(flags.abs().sum()) == 0 for _, flags in ns._STREAM_WORKSPACES.values())
 
 
 def test_normalized_on_cuda_has_the_bits_of_the_fp32_quotient_rounded_to_bf16():

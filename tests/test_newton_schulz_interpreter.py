@@ -26,6 +26,9 @@ SMALL = dict(impl="classic", BLOCK=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_wa
 # hopper: 32 x 32 symmetric tiles in groups of 2 strips (a 5 x 5 tile grid at 160 walks three
 # groups, the last of one strip), 32 x 64 update tiles; 4 programs walk the tiles persistently.
 HOPPER = dict(SMALL, impl="hopper", BLOCK=32, BLOCK_N=64, GROUP_M=2)
+# stream-K symmetric products with the hopper tiles (4 programs: the K steps of a tile are split
+# between two or more of them); the update and joint launches take the hopper kernels.
+STREAM_K = dict(HOPPER, impl="stream_k")
 
 
 # (batch, m, n): one tile; several tiles with ragged edges (130: a 3 x 3 tile grid, 6 programs,
@@ -34,13 +37,13 @@ HOPPER = dict(SMALL, impl="hopper", BLOCK=32, BLOCK_N=64, GROUP_M=2)
 @pytest.mark.parametrize("shape, tall", [((1, 40, 40), False), ((1, 130, 150), False), ((3, 40, 72), False),
                                          ((2, 72, 40), True), ((1, 160, 200), False), ((3, 64, 96), False),
                                          ((2, 96, 64), True)])  # fmt: skip
-@pytest.mark.parametrize("config", [SMALL, HOPPER], ids=["classic", "hopper"])
+@pytest.mark.parametrize("config", [SMALL, HOPPER, STREAM_K], ids=["classic", "hopper", "stream_k"])
 def test_fp32_kernels_match_torch(shape, tall, config):
     assert NEWTON_SCHULZ.is_legal(config)
     x = torch.randn(shape)
     x = x.mT if tall else x
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    hopper = config["impl"] == "hopper" and hopper_fits(x, config, "update")
+    hopper = config["impl"] in ("hopper", "stream_k") and hopper_fits(x, config, "update")
     for coefficients in (None, "polar_express"):
         schedule = coefficient_schedule(coefficients, 3)
         out = triton_newton_schulz(x, schedule, config)
@@ -72,7 +75,7 @@ def test_each_product_runs_its_own_config(shape, tall, configs):
 JOINT = [((3, 64, 96), False), ((2, 32, 160), False), ((2, 96, 64), True)]
 
 
-@pytest.mark.parametrize("config", [SMALL, HOPPER, TORCH], ids=["classic", "hopper", "torch"])
+@pytest.mark.parametrize("config", [SMALL, HOPPER, STREAM_K, TORCH], ids=["classic", "hopper", "stream_k", "torch"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["normalized", "norms"])
 def test_joint_iterations_match_each_batch_alone(config, scaled):
     # With norms, each x[b] stands for x[b] / norm[b]: the first products scale by it on the fly
@@ -287,4 +290,53 @@ def test_collected_launches_are_the_ones_a_run_issues(configs, monkeypatch):
     assert [key(la) for la in pairs] == [key(la) for la in two_part]
     assert bool(pairs) == (configs is not SMALL)  # hopper products launch in pairs
     collected = collected + pairs
+    assert all(t.is_meta for la in collected for t in la[2] if isinstance(t, torch.Tensor))
+
+
+# (batch, m, k): tiles cut between two programs (130 x 150: 15 tiles of 5 K steps over 4
+# programs); between three or more, a program's whole run inside one tile (64 x 512: 3 tiles of
+# 16 K steps, 12 steps a program); a tile's first K steps in one program (40 x 40: 3 tiles of 2);
+# a batch; a tall x read in its transposed storage.
+@pytest.mark.parametrize("shape, tall", [((1, 130, 150), False), ((1, 64, 512), False), ((1, 40, 40), False),
+                                         ((3, 64, 96), False), ((2, 96, 64), True)])  # fmt: skip
+def test_stream_k_symmetric_products_match_torch_and_repeat_their_bits(shape, tall, monkeypatch):
+    from kernel_factory.optimizers.muon import newton_schulz_launch as ns
+
+    monkeypatch.setattr(ns, "_hopper_symmetric", lambda *a: pytest.fail("one batch took the tile-per-program kernel"))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape[0], shape[2], shape[1], generator=gen).mT if tall else torch.randn(shape, generator=gen)
+    norm = torch.rand(shape[0], generator=gen) + 0.5
+    c = torch.randn(shape[0], shape[1], shape[1], generator=gen)
+    c = c + c.mT
+    gram, poly = torch.empty_like(c), torch.empty_like(c)
+    ns.symmetric_product([x], [gram], None, 1.0, 0.0, STREAM_K, [norm])
+    ns.symmetric_product([c], [poly], [c], 0.7, 0.3, STREAM_K, gamma=0.5)
+    want_gram = x @ x.mT / norm[:, None, None] ** 2
+    want_poly = 0.7 * c @ c.mT + 0.3 * c + 0.5 * torch.eye(shape[1])
+    assert compare_tensors("ns", "gram", gram, want_gram, FP32_TOL).passed
+    assert compare_tensors("ns", "poly", poly, want_poly, FP32_TOL).passed
+    again = torch.empty_like(gram)
+    ns.symmetric_product([x], [again], None, 1.0, 0.0, STREAM_K, [norm])
+    assert torch.equal(again, gram)  # the partial sums add in one order
+    assert all(int(flags.abs().sum()) == 0 for _, flags in ns._STREAM_WORKSPACES.values())  # lowered again
+
+
+def test_stream_k_collected_launches_are_the_ones_a_run_issues(monkeypatch):
+    """precompile.py compiles the stream-K kernel a one-batch run issues (its workspace a meta
+    stand-in while collecting)."""
+    from kernel_factory.optimizers.muon import newton_schulz_launch as ns
+    from kernel_factory.optimizers.shared.precompile import _signature
+
+    xs = [torch.randn(1, 96, 64).mT]
+    norms = [torch.linalg.vector_norm(x, dim=(-2, -1)) for x in xs]
+    schedule = coefficient_schedule(None, 2)
+    issued, real = [], ns._issue
+    monkeypatch.setattr(ns, "_issue", lambda k, grid, args, kwargs: (_issued(ns) and issued.append(
+        (k, grid, args, kwargs)), real(k, grid, args, kwargs)))  # fmt: skip
+    joint_newton_schulz(xs, schedule, STREAM_K, norms)
+    monkeypatch.setattr(ns, "_issue", real)
+    collected, pairs = ns.collect_launches(xs, schedule, norms, STREAM_K)
+    key = lambda launch: (launch[1], _signature(*(launch[i] for i in (0, 2, 3))))  # noqa: E731
+    assert [key(la) for la in collected] == [key(la) for la in issued] and not pairs
+    assert sum("NUM_PROGRAMS" in la[3] for la in collected) == 4  # gram and poly of each iteration
     assert all(t.is_meta for la in collected for t in la[2] if isinstance(t, torch.Tensor))

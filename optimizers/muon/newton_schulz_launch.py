@@ -10,7 +10,15 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from kernel_factory.generator import NEWTON_SCHULZ, detect_arch, interpreter_enabled, load, select, size_bucket
+from kernel_factory.generator import (
+    NEWTON_SCHULZ,
+    NEWTON_SCHULZ_STREAM_K,
+    detect_arch,
+    interpreter_enabled,
+    load,
+    select,
+    size_bucket,
+)
 
 from ..shared import precompile
 
@@ -178,8 +186,12 @@ def _kernels(x: Tensor, variant: str):
 
 
 def _impl(config: Mapping, x: Tensor, product: str) -> str:
+    """The kernels ``config`` runs ``product`` on for x: its ``impl``, the hopper ones for a
+    stream-K update (there is no such kernel), the classic ones where the hopper ones do not fit."""
     impl = config["impl"]
-    return "classic" if impl == "hopper" and not hopper_fits(x, config, product) else impl
+    if impl == "stream_k" and product == "update":
+        impl = "hopper"
+    return "classic" if impl in ("hopper", "stream_k") and not hopper_fits(x, config, product) else impl
 
 
 def _launch(config: Mapping) -> dict:
@@ -248,7 +260,7 @@ def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | N
     hopper = []
     for x, out, c, norm in parts:
         impl = _impl(config, x, product)
-        if impl == "hopper":
+        if impl in ("hopper", "stream_k"):
             hopper.append((x, out, c, norm))
         elif impl == "torch" and norm is not None:
             raise ValueError("symmetric_product: torch's matmuls take a normalized x (no norm)")
@@ -259,6 +271,11 @@ def symmetric_product(xs: list[Tensor], outs: list[Tensor], cs: list[Tensor] | N
             out.diagonal(dim1=-2, dim2=-1).add_(gamma)
         else:
             _classic_symmetric(x, out, c, norm, alpha, beta, gamma, product == "poly", config)
+    # Stream-K where the launch holds one batch (a joint launch's second part fills the first's
+    # last wave already); the choice depends on the batches alone, so every step rounds alike.
+    if len(hopper) == 1 and config["impl"] == "stream_k" and _stream_symmetric(*hopper[0], alpha, beta, gamma,
+                                                                               product == "poly", config):
+        return
     for first, second in _hopper_pairs(hopper, lambda part: part[0].shape[2]):
         _launch_pair("sym", config, first, second,
                      lambda one, two: _hopper_symmetric(one, two, alpha, beta, gamma, product == "poly", config))
@@ -274,20 +291,23 @@ def _classic_symmetric(x, out, c, norm, alpha, beta, gamma, has_c: bool, config:
            dict(HAS_C=has_c, SCALED=norm is not None, BLOCK=block, BLOCK_K=config["BLOCK_K"], **_launch(config)))
 
 
-def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, gamma, has_c: bool, config: Mapping) -> None:
+def _symmetric_part(x, out, c, norm, config: Mapping) -> tuple[tuple, bool]:
+    """The hopper symmetric kernels' arguments for one part (x_desc, out_desc, c_desc, norm, B, m,
+    k) and whether x is a transposed tall matrix (TRANS_X)."""
     from triton.tools.tensor_descriptor import TensorDescriptor  # host-built TMA descriptors
 
     block, block_k = config["BLOCK"], config["BLOCK_K"]
+    tall = _transposed(x)
+    s = x.mT if tall else x.contiguous()  # the storage: (B, k, m) if tall else (B, m, k)
+    x_block = [block_k, block] if tall else [block, block_k]
+    x_desc = TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), x_block)
+    out_desc, c_desc = (TensorDescriptor.from_tensor(t, [1, block, block]) for t in (out, c))  # clipped per matrix
+    return (x_desc, out_desc, c_desc, out if norm is None else norm, *x.shape), tall
 
-    def part(x, out, c, norm):
-        tall = _transposed(x)
-        s = x.mT if tall else x.contiguous()  # the storage: (B, k, m) if tall else (B, m, k)
-        x_block = [block_k, block] if tall else [block, block_k]
-        x_desc = TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), x_block)
-        out_desc, c_desc = (TensorDescriptor.from_tensor(t, [1, block, block]) for t in (out, c))  # clipped per matrix
-        return (x_desc, out_desc, c_desc, out if norm is None else norm, *x.shape), tall
 
-    parts = [part(*p) for p in (first, second) if p is not None]
+def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, gamma, has_c: bool, config: Mapping) -> None:
+    block, block_k = config["BLOCK"], config["BLOCK_K"]
+    parts = [_symmetric_part(*p, config) for p in (first, second) if p is not None]
     (args, tall), (args2, tall2) = parts[0], parts[-1]  # the second is not read without TWO_PARTS
     x = first[0]
     tiles = sum(a[4] * (-(-a[5] // block)) * (-(-a[5] // block) + 1) // 2 for a, _ in parts)
@@ -295,6 +315,49 @@ def _hopper_symmetric(first: tuple, second: tuple | None, alpha, beta, gamma, ha
     _issue(_kernels(x, "hopper").sym_kernel, (min(sms, tiles),), (*args, *args2, alpha, beta, gamma),
            dict(HAS_C=has_c, SCALED=first[3] is not None, TRANS_X=tall, TRANS_X2=tall2, TWO_PARTS=second is not None,
                 BLOCK=block, BLOCK_K=block_k, GROUP_M=config["GROUP_M"], NUM_SMS=sms, **_launch(config)))
+
+
+# The stream-K kernel's workspace per (device, BLOCK, programs): a partial fp32 tile and a flag
+# per program (newton_schulz_stream_k.py.j2), the flags zero between launches. Kept for the
+# process (CUDA graphs hold its address) and shared by the device's launches, which therefore
+# must not run at the same time on two streams.
+_STREAM_WORKSPACES: dict[tuple, tuple[Tensor, Tensor]] = {}
+_WORKSPACE_LOCK = threading.Lock()
+
+
+def _stream_workspace(x: Tensor, block: int, programs: int) -> tuple[Tensor, Tensor] | None:
+    """(partials (programs, block, block) fp32, flags (programs,) int32) for x's device; None
+    while a CUDA graph is being captured and none was made yet (one made then would live in the
+    graph's memory pool)."""
+    if x.is_meta:
+        return (torch.empty(programs, block, block, dtype=torch.float32, device="meta"),
+                torch.empty(programs, dtype=torch.int32, device="meta"))  # fmt: skip
+    key = (x.device, block, programs)
+    with _WORKSPACE_LOCK:
+        workspace = _STREAM_WORKSPACES.get(key)
+        if workspace is None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            workspace = _STREAM_WORKSPACES[key] = (
+                torch.empty(programs, block, block, dtype=torch.float32, device=x.device),
+                torch.zeros(programs, dtype=torch.int32, device=x.device))  # fmt: skip
+        return workspace
+
+
+def _stream_symmetric(x, out, c, norm, alpha, beta, gamma, has_c: bool, config: Mapping) -> bool:
+    """The stream-K symmetric product of one batch, one program per SM; False (nothing launched)
+    where its workspace cannot be made now (``_stream_workspace``)."""
+    programs = _sm_count(x)
+    workspace = _stream_workspace(x, config["BLOCK"], programs)
+    if workspace is None:
+        return False
+    (x_desc, out_desc, c_desc, norm_arg, batch, m, k), tall = _symmetric_part(x, out, c, norm, config)
+    stream_k = NEWTON_SCHULZ_STREAM_K
+    kernel = load(stream_k, stream_k.variant(dtype=TRITON_DTYPES[x.dtype])).sym_stream_kernel
+    _issue(kernel, (programs,), (x_desc, out_desc, c_desc, norm_arg, *workspace, batch, m, k, alpha, beta, gamma),
+           dict(HAS_C=has_c, SCALED=norm is not None, TRANS_X=tall, BLOCK=config["BLOCK"], BLOCK_K=config["BLOCK_K"],
+                GROUP_M=config["GROUP_M"], NUM_PROGRAMS=programs, **_launch(config)))
+    return True
 
 
 def update_output(x: Tensor, config: Mapping) -> Tensor:
