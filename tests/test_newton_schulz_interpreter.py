@@ -296,9 +296,10 @@ def test_collected_launches_are_the_ones_a_run_issues(configs, monkeypatch):
 # (batch, m, k): tiles cut between two programs (130 x 150: 15 tiles of 5 K steps over 4
 # programs); between three or more, a program's whole run inside one tile (64 x 512: 3 tiles of
 # 16 K steps, 12 steps a program); a tile's first K steps in one program (40 x 40: 3 tiles of 2);
-# a batch; a tall x read in its transposed storage.
+# fewer K steps than programs (32 x 64: one tile of 2, runs of 0 and 1 steps, an empty run inside
+# the tile handing over a zero partial); a batch; a tall x read in its transposed storage.
 @pytest.mark.parametrize("shape, tall", [((1, 130, 150), False), ((1, 64, 512), False), ((1, 40, 40), False),
-                                         ((3, 64, 96), False), ((2, 96, 64), True)])  # fmt: skip
+                                         ((1, 32, 64), False), ((3, 64, 96), False), ((2, 96, 64), True)])  # fmt: skip
 def test_stream_k_symmetric_products_match_torch_and_repeat_their_bits(shape, tall, monkeypatch):
     from kernel_factory.optimizers.muon import newton_schulz_launch as ns
 
